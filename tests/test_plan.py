@@ -1,0 +1,71 @@
+"""Plan files: good ones load and expand; bad ones give one clear line naming file and field, exit 2."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from spectune.errors import SpectuneError
+from spectune.plan import load_plan, plan_from_dict
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_shipped_plans_load_and_expand_step_lists():
+    plan = load_plan(REPO / "configs" / "embedded.toml")
+    names = [s.name for s in plan.servers]
+    assert names[0] == "target" and not plan.servers[0].is_speculative
+    assert "draft-g2" in names and "draft-g4" in names
+    assert {s.num_speculative_tokens for s in plan.servers if s.name.startswith("draft")} == {2, 4}
+    load_plan(REPO / "configs" / "vllm-cpu.toml")
+
+
+def test_plan_digest_changes_with_any_field():
+    base = {"servers": [{"name": "t"}], "batch_sizes": [1, 2]}
+    assert plan_from_dict(base).digest() == plan_from_dict(dict(base)).digest()
+    assert plan_from_dict(base).digest() != plan_from_dict({**base, "max_tokens": 65}).digest()
+
+
+def test_recorded_plan_round_trips_through_the_manifest():
+    from spectune.plan import plan_to_dict
+
+    plan = load_plan(REPO / "configs" / "embedded.toml")
+    again = plan_from_dict(plan_to_dict(plan))
+    assert again == plan and again.digest() == plan.digest()
+
+
+BAD_PLANS = [
+    ('servers = [{name = "t"}]\nbatchsizes = [1]\n', "unknown key(s) ['batchsizes']"),
+    ('[[servers]]\nname = "t"\nengine = "tgi"\n', "servers[0].engine = 'tgi': unknown engine"),
+    ('[[servers]]\nname = "t"\n[[servers]]\nname = "n"\nmethod = "ngram"\nnum_speculative_tokens = 3\n', "prompt_lookup_min and prompt_lookup_max"),
+    ('[[servers]]\nname = "t"\n[[servers]]\nname = "d"\nmethod = "draft_model"\n', "needs num_speculative_tokens"),
+    ('[[servers]]\nname = "t"\n[[servers]]\nname = "d"\nmethod = "medusa9"\nnum_speculative_tokens = 2\n', "unknown method"),
+    ('batch_sizes = [4, 1]\n[[servers]]\nname = "t"\n', "ascending"),
+    ('batch_sizes = [0]\n[[servers]]\nname = "t"\n', "integers >= 1"),
+    ('repeats = "two"\n[[servers]]\nname = "t"\n', "repeats = 'two'"),
+    ('[[servers]]\nname = "d"\nmethod = "draft_model"\nnum_speculative_tokens = 2\n', "no target-only server"),
+    ('[[servers]]\nname = "t"\n[[servers]]\nname = "t"\n', "unique"),
+    ('[[servers]]\nname = "t"\nnum_speculative_tokens = 3\n', "without `method`"),
+    ('[[servers]\nname = "t"\n', "not valid TOML"),
+]
+
+
+@pytest.mark.parametrize("text,expected", BAD_PLANS)
+def test_bad_plan_is_one_clear_error(tmp_path, text, expected):
+    path = tmp_path / "plan.toml"
+    path.write_text(text)
+    with pytest.raises(SpectuneError) as info:
+        load_plan(path)
+    assert expected in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_bad_plan_through_the_cli_exits_2_with_one_line(tmp_path, spectune_cmd):
+    path = tmp_path / "plan.toml"
+    path.write_text('[[servers]]\nname = "t"\nengine = "tgi"\n')
+    out = tmp_path / "results"
+    proc = subprocess.run([*spectune_cmd, "sweep", str(path), "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "engine" in lines[0] and str(path) in lines[0]
+    assert not out.exists()  # nothing launched, nothing half-written
