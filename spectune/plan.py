@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 import json
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from spectune.errors import SpectuneError

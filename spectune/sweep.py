@@ -143,15 +143,24 @@ def _run_server(plan: Plan, store: RunStore, spec: ServerSpec, cells: list[Cell]
     from spectune.servers import make_server
 
     server = make_server(spec, store.log_dir(), round_log=store.round_log_path(spec.name), max_batch_size=max(plan.batch_sizes))
-    log(f"[{spec.name}] starting {spec.engine} server")
+    started = False
     try:
-        server.start()
-        store.manifest["engines"][spec.name] = {"engine": spec.engine, "version": server.engine_version()}
-        for cell in cells:
-            if not server.alive():
-                log(f"[{spec.name}] server is down; restarting it")
+        for i, cell in enumerate(cells):
+            if not started or not server.alive():
+                log(f"[{spec.name}] {'server is down; restarting' if started else 'starting'} {spec.engine} server")
                 server.stop()
-                server.start()
+                try:
+                    server.start()
+                except SpectuneError as e:  # never ready: fail this server's remaining cells, go on with the next server
+                    for rest in cells[i:]:
+                        store.write_cell({**_cell_header(plan, rest, traffic_for(plan, rest.batch_size)[2]),
+                                          "status": "failed", "error": f"server did not start: {e}", "finished_at": _now()}, None)
+                        outcome.failed += 1
+                    log(f"[{spec.name}] server did not start: {e}")
+                    return
+                started = True
+                store.manifest["engines"][spec.name] = {"engine": spec.engine, "version": server.engine_version(), "pid": server.pid()}
+                store.save_manifest()
             row = _measure_cell(plan, store, server, cell, log)
             if row["status"] == "failed":
                 outcome.failed += 1

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -80,7 +81,7 @@ def check_port_free(host: str, port: int) -> None:
             raise SpectuneError(f"port {host}:{port} is already in use; stop what holds it or choose another port") from None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity-hashed: kept in the _LIVE set
 class ManagedProcess:
     """A server process in its own process group, its output kept in a log file and a short tail."""
 
@@ -102,6 +103,7 @@ class ManagedProcess:
             stdin=subprocess.DEVNULL,
             env={**os.environ, **self.env},
             start_new_session=True,  # own process group: stop() reaches the engine's children too
+            preexec_fn=_die_with_parent,
         )
         _LIVE.add(self)
 
@@ -133,6 +135,15 @@ class ManagedProcess:
             self._log.close()
             self._log = None
         _LIVE.discard(self)
+
+
+def _die_with_parent() -> None:
+    """In the child: if spectune itself is SIGKILLed, the kernel sends the server SIGTERM (Linux only)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -1,0 +1,77 @@
+"""Shared by the sweep tests: small plans on the embedded engine, and watching a sweep from outside."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+SMALL_PLAN = """
+name = "small"
+workload = "quote"
+batch_sizes = [1, 3]
+repeats = 1
+max_tokens = 12
+prompts_per_slot = 2
+min_prompts = 4
+warmup_per_slot = 0
+
+[[servers]]
+name = "target"
+
+[[servers]]
+name = "draft"
+method = "draft_model"
+num_speculative_tokens = 2
+
+[[servers]]
+name = "ngram"
+method = "ngram"
+num_speculative_tokens = 2
+prompt_lookup_min = 1
+prompt_lookup_max = 3
+"""
+
+
+def write_plan(tmp_path: Path, text: str = SMALL_PLAN) -> Path:
+    path = tmp_path / "plan.toml"
+    path.write_text(text)
+    return path
+
+
+def sweep_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "spectune.cli", "sweep", *args]
+
+
+def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
+    """Poll until predicate() is truthy (returns it); fail if the sweep process exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"sweep exited with {proc.returncode} before: {what}\n{proc.stdout.read() if proc.stdout else ''}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for: {what}")
+
+
+def finished_cells(root: Path) -> dict[str, dict]:
+    out = {}
+    for p in (root / "cells").glob("*.json"):
+        out[p.stem] = json.loads(p.read_text())
+    return out
+
+
+def server_processes(root: Path) -> list[psutil.Process]:
+    """Engine processes launched for this results dir (their round-log path names it)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if " serve " in cmd and str(root) in cmd:
+            found.append(proc)
+    return found

@@ -1,0 +1,50 @@
+"""`spectune sweep` end to end on the embedded engine: the files, identical traffic, lossless outputs."""
+
+import json
+import subprocess
+
+import pandas as pd
+
+from sweep_helpers import sweep_cmd, write_plan
+
+
+def test_sweep_writes_results_with_identical_traffic_and_identical_greedy_text(tmp_path, spectune_cmd):
+    out = tmp_path / "run"
+    proc = subprocess.run(sweep_cmd(str(write_plan(tmp_path)), "--out", str(out)), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["status"] == "complete"
+    assert manifest["progress"]["done"] == 6 and manifest["progress"]["failed"] == 0
+    assert set(manifest["traffic_digests"]) == {"1", "3"}
+
+    cells = pd.read_parquet(out / "cells.parquet")
+    assert len(cells) == 6 and (cells["status"] == "ok").all()
+    # Identical traffic: every server got the byte-identical request list at each batch size.
+    for bs, group in cells.groupby("batch_size"):
+        assert set(group["traffic_digest"]) == {manifest["traffic_digests"][str(bs)]}
+    spec = cells[cells["is_speculative"]]
+    assert spec["acceptance_rate"].between(0, 1).all() and (spec["acceptance_rate"] > 0).all()
+    assert (spec["acceptance_length"] >= 1).all()
+    target = cells[~cells["is_speculative"]]
+    assert target["acceptance_rate"].isna().all()
+    assert (cells["output_throughput_tps"] > 0).all() and (cells["mem_peak_mb"] > 0).all()
+
+    # Lossless: same request, same greedy output text on every server.
+    requests = pd.read_parquet(out / "requests.parquet")
+    requests["server"] = requests["cell"].str.split("__").str[0]
+    requests["bs"] = requests["cell"].str.split("__").str[1]
+    texts = requests.pivot_table(index=["bs", "index"], columns="server", values="text", aggfunc="first")
+    assert len(texts) == 4 + 6
+    for server in ("draft", "ngram"):
+        assert (texts[server] == texts["target"]).all(), texts[texts[server] != texts["target"]]
+    assert (requests["output_tokens"] == 12).all()
+
+    summary = pd.read_parquet(out / "summary.parquet")
+    assert set(summary["server"]) == {"draft", "ngram"} and set(summary["batch_size"]) == {1, 3}
+
+    rep = subprocess.run([*spectune_cmd, "report", str(out), "--out", str(tmp_path / "report")], capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert "speedup" in page and "data:image/png;base64" in page
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "| draft |" in md or "draft" in md
