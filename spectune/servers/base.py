@@ -65,6 +65,7 @@ class Server(Protocol):
     def alive(self) -> bool: ...
     def stop(self) -> None: ...  # idempotent; stops children too
     def engine_version(self) -> str | None: ...
+    def log_tail(self) -> str: ...  # last lines of the server's log, for error messages
 
 
 def free_port(host: str = "127.0.0.1") -> int:
