@@ -1,0 +1,372 @@
+"""The alpha / cost model: expected tokens per round, speedup, and fits of both from a sweep.
+
+One verify round with g drafts costs t_round(bs, g) = t_verify(bs, g+1) + t_draft(bs, g) and yields E(g)
+tokens per sequence. From end-to-end measurements only two terms per batch size are identifiable, so the
+fit writes it as
+
+    t_round(bs, 0) = target_ms(bs)                                   (plain decode, no drafter)
+    t_round(bs, g) = target_ms(bs) + draft_fixed_ms(bs) + per_step_ms(bs) * g      (g >= 1)
+
+where per_step_ms is the marginal cost of one more draft position: drafting it (~0 for parallel drafters
+such as DFlash / P-EAGLE) plus verifying it. A measured speculative cell gives one point,
+t_round = TPOT x acceptance_length (time per token x tokens per round).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from spectune.errors import SpectuneError
+
+MAX_FAILURE_RATE = 0.05  # cells failing more requests than this are excluded from every fit
+_POS_COLUMN = re.compile(r"^accept_pos_(\d+)$")
+
+
+# --- closed forms -------------------------------------------------------------------------------------
+
+
+def expected_tokens(alpha: float, g: int) -> float:
+    """Tokens per round with g drafts each accepted with probability alpha: (1 - a^(g+1)) / (1 - a)."""
+    if alpha == 1.0:
+        return float(g + 1)
+    return (1.0 - alpha ** (g + 1)) / (1.0 - alpha)
+
+
+def speedup(alpha: float, g: int, c: float) -> float:
+    """Speedup over target-only when one draft step costs c target steps: E / (g*c + 1)."""
+    return expected_tokens(alpha, g) / (g * c + 1.0)
+
+
+def expected_tokens_per_pos(rates: Sequence[float]) -> float:
+    """Tokens per round from conditional per-position rates a_k: 1 + sum_k prod_{j<=k} a_j."""
+    return 1.0 + float(np.cumprod(np.asarray(rates, dtype=float)).sum())
+
+
+def model_table(alphas: Sequence[float], gammas: Sequence[int], cost: float) -> pd.DataFrame:
+    """One row per (alpha, g): expected tokens per round and speedup at draft cost ratio `cost`."""
+    rows = [
+        {"alpha": a, "g": g, "expected_tokens": expected_tokens(a, g), "speedup": speedup(a, g, cost)}
+        for a in alphas
+        for g in gammas
+    ]
+    return pd.DataFrame(rows)
+
+
+def parse_gammas(text: str) -> list[int]:
+    """'2,4,7,10' or '1-10' (or a mix, '1-3,7') -> sorted step counts."""
+    steps: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            steps.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise SpectuneError(f"--gamma: cannot read {text!r}; write a list like 2,4,7,10 or a range like 1-10") from None
+    if not steps or min(steps) < 0:
+        raise SpectuneError(f"--gamma: {text!r} gives no step counts >= 0; write e.g. 2,4,7,10 or 1-10")
+    return sorted(steps)
+
+
+def parse_alphas(text: str) -> list[float]:
+    """'0.6,0.7,0.8' -> acceptance rates in [0, 1]."""
+    try:
+        alphas = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise SpectuneError(f"--alpha: cannot read {text!r}; write rates in [0, 1] like 0.6,0.8") from None
+    if not all(0.0 <= a <= 1.0 for a in alphas):
+        raise SpectuneError(f"--alpha: {text!r} has a rate outside [0, 1]")
+    return alphas
+
+
+# --- fitted model ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptanceProfile:
+    """Conditional per-position acceptance a_k = P(draft k accepted | drafts 1..k-1 accepted).
+
+    Positions beyond the measured ones reuse the last rate."""
+
+    rates: tuple[float, ...]
+    source: str = "per_position"  # or "constant" when only a mean acceptance was measured
+
+    def rate_vector(self, k: int) -> np.ndarray:
+        """a_1..a_k as an array ([k])."""
+        rates = np.asarray(self.rates, dtype=float)
+        return rates[np.minimum(np.arange(k), len(rates) - 1)]
+
+    def survival(self, k: int) -> np.ndarray:
+        """S_i = P(at least i drafts accepted), i = 1..k ([k])."""
+        return np.cumprod(self.rate_vector(k))
+
+    def expected_tokens(self, g: int) -> float:
+        return 1.0 + float(self.survival(g).sum()) if g > 0 else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RoundCost:
+    """Round time in ms per batch size (see the module docstring). Between measured batch sizes the terms
+    are interpolated linearly; outside the range they are held at the nearest measured value."""
+
+    batch_sizes: tuple[int, ...]
+    target_ms: tuple[float, ...]
+    draft_fixed_ms: tuple[float, ...]
+    per_step_ms: tuple[float, ...]
+
+    def t_round(self, batch_size, steps):
+        """ms for one round; scalars or broadcastable arrays. steps 0 = plain decode."""
+        bs = np.asarray(batch_size, dtype=float)
+        g = np.asarray(steps, dtype=float)
+        target = np.interp(bs, self.batch_sizes, self.target_ms)
+        draft = np.interp(bs, self.batch_sizes, self.draft_fixed_ms) + np.interp(bs, self.batch_sizes, self.per_step_ms) * g
+        t = target + np.where(g > 0, draft, 0.0)
+        return float(t) if t.ndim == 0 else t
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CostFit:
+    """What a sweep says about one engine + method: round cost per batch size and acceptance per workload."""
+
+    engine: str | None
+    method: str | None
+    cost: RoundCost
+    table: pd.DataFrame  # per batch size: the fitted terms, their standard errors, residual RMS
+    acceptance: dict[str, AcceptanceProfile]  # per workload
+    pooled: AcceptanceProfile  # over all workloads
+    excluded: pd.DataFrame  # cells dropped for failures, with the reason
+    steps: tuple[int, ...]  # the measured step counts g >= 1
+
+    @property
+    def max_steps(self) -> int:
+        return self.steps[-1]
+
+    def profile(self, workload: str | None) -> AcceptanceProfile:
+        return self.acceptance.get(workload, self.pooled) if workload is not None else self.pooled
+
+
+def split_failed(cells: pd.DataFrame, max_failure_rate: float = MAX_FAILURE_RATE) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(usable cells, excluded cells with a `reason` column): status != "ok" or failure_rate > the limit."""
+    failure_rate = cells["failure_rate"].fillna(0.0) if "failure_rate" in cells else pd.Series(0.0, index=cells.index)
+    not_ok = cells["status"] != "ok"
+    too_many = failure_rate > max_failure_rate
+    reason = np.where(not_ok, "status " + cells["status"].astype(str), f"failure_rate > {max_failure_rate}")
+    excluded = cells[not_ok | too_many].assign(reason=reason[(not_ok | too_many).to_numpy()])
+    return cells[~(not_ok | too_many)], excluded
+
+
+def fit_sweep(
+    cells: pd.DataFrame,
+    *,
+    engine: str | None = None,
+    method: str | None = None,
+    max_failure_rate: float = MAX_FAILURE_RATE,
+) -> CostFit:
+    """Fit round cost and acceptance for one engine + method (default: the one with most usable cells).
+
+    Adaptive-server cells are not used (their step count changes during a cell)."""
+    usable, excluded = split_failed(cells, max_failure_rate)
+    static = usable[usable["is_speculative"].astype(bool) & usable["adaptive_config"].isna() & (usable["num_speculative_tokens"] > 0)]
+    spec = static[static["engine"] == engine] if engine else static
+    spec = spec[spec["method"] == method] if method else spec
+    if spec.empty:
+        found = sorted({f"{e}/{m}" for e, m in zip(static["engine"], static["method"])}) or ["none"]
+        raise SpectuneError(f"cells: no usable static speculative cells for engine={engine}, method={method} (found: {', '.join(found)}); "
+                            "choose one of those, or sweep speculative servers")
+    engine, method = spec.groupby(["engine", "method"]).size().idxmax()
+    spec = spec[(spec["engine"] == engine) & (spec["method"] == method)]
+    target = usable[~usable["is_speculative"].astype(bool) & (usable["engine"] == engine)]
+    table = _fit_round_cost(target, spec)
+    cost = RoundCost(
+        batch_sizes=tuple(int(b) for b in table["batch_size"]),
+        target_ms=tuple(table["target_ms"]),
+        draft_fixed_ms=tuple(table["draft_fixed_ms"]),
+        per_step_ms=tuple(table["per_step_ms"]),
+    )
+    acceptance = {str(w): _fit_acceptance(group) for w, group in spec.groupby("workload")}
+    return CostFit(
+        engine=engine,
+        method=method,
+        cost=cost,
+        table=table,
+        acceptance=acceptance,
+        pooled=_fit_acceptance(spec),
+        excluded=excluded,
+        steps=tuple(sorted(int(g) for g in spec["num_speculative_tokens"].unique())),
+    )
+
+
+def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    spec = spec.dropna(subset=["tpot_ms_mean", "acceptance_length"])
+    for bs, points in spec.groupby("batch_size"):
+        base = target.loc[target["batch_size"] == bs, "tpot_ms_mean"].dropna()
+        if base.empty:
+            continue  # no target-only TPOT at this batch size: nothing to anchor g = 0
+        t1, t1_sd = float(base.mean()), float(base.std(ddof=1)) if len(base) > 1 else math.nan
+        g = points["num_speculative_tokens"].to_numpy(float)
+        t = (points["tpot_ms_mean"] * points["acceptance_length"]).to_numpy(float)
+        if len(np.unique(g)) >= 2:
+            intercept, slope, se_i, se_s, rmse = _line_fit(g, t)
+            fixed, fixed_se = intercept - t1, math.hypot(se_i, t1_sd / math.sqrt(len(base)) if len(base) > 1 else 0.0)
+        else:  # one step count: no slope to fit, so assume no fixed draft cost
+            fixed, fixed_se, slope, se_s = 0.0, math.nan, float((t.mean() - t1) / g[0]), math.nan
+            rmse = float(np.sqrt(np.mean((t - t.mean()) ** 2)))
+        rows.append(
+            {
+                "batch_size": int(bs),
+                "target_ms": t1,
+                "target_sd_ms": t1_sd,
+                "draft_fixed_ms": fixed,
+                "draft_fixed_se_ms": fixed_se,
+                "per_step_ms": slope,
+                "per_step_se_ms": se_s,
+                "rmse_ms": rmse,
+                "num_cells": len(points),
+                "steps_measured": ",".join(str(int(s)) for s in sorted(np.unique(g))),
+            }
+        )
+    if not rows:
+        raise SpectuneError("cells: no batch size has both target-only and speculative cells; add a target-only server to the sweep")
+    return pd.DataFrame(rows).sort_values("batch_size", ignore_index=True)
+
+
+def _line_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float, float, float]:
+    """Least squares y = a + b x -> (a, b, se(a), se(b), residual RMS); standard errors from the residuals."""
+    X = np.column_stack([np.ones_like(x), x])  # [n, 2]
+    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    resid = y - X @ coef
+    dof = len(x) - 2
+    if dof > 0:
+        cov = resid @ resid / dof * np.linalg.inv(X.T @ X)
+        se_a, se_b = np.sqrt(np.diag(cov))
+    else:
+        se_a = se_b = math.nan
+    return float(coef[0]), float(coef[1]), float(se_a), float(se_b), float(np.sqrt(np.mean(resid**2)))
+
+
+def _fit_acceptance(spec: pd.DataFrame) -> AcceptanceProfile:
+    """Pool per-position survival S_i = P(draft i accepted) over cells with g >= i (it does not depend on g
+    for chain drafting, nor on batch size for lossless verification), then a_i = S_i / S_{i-1}."""
+    pos_cols = sorted((int(m.group(1)), c) for c in spec.columns if (m := _POS_COLUMN.match(c)))
+    survival = []
+    for i, col in pos_cols:
+        values = spec.loc[spec["num_speculative_tokens"] >= i, col].dropna()
+        if values.empty:
+            break
+        survival.append(float(values.mean()))
+    if survival:
+        s = np.clip(np.asarray(survival), 0.0, 1.0)
+        prev = np.concatenate([[1.0], s[:-1]])
+        rates = np.divide(s, prev, out=np.zeros_like(s), where=prev > 0)
+        return AcceptanceProfile(tuple(float(r) for r in np.clip(rates, 0.0, 1.0)), "per_position")
+    alphas = [
+        _constant_alpha(row.acceptance_length - 1.0, int(row.num_speculative_tokens))
+        for row in spec.dropna(subset=["acceptance_length"]).itertuples()
+    ]
+    if not alphas:
+        raise SpectuneError("cells: speculative cells carry neither accept_pos_* nor acceptance_length; re-run the sweep with a server that reports acceptance")
+    return AcceptanceProfile((float(np.mean(alphas)),), "constant")
+
+
+def _constant_alpha(mean_accepted: float, g: int) -> float:
+    """Solve sum_{i=1..g} a^i = mean accepted drafts per round for a in [0, 1] (bisection; monotone in a)."""
+    if mean_accepted <= 0:
+        return 0.0
+    if mean_accepted >= g:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(1, g + 1)) < mean_accepted:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+# --- recommendations ---------------------------------------------------------------------------------------
+
+
+def recommend(fit: CostFit, objective: str = "throughput") -> pd.DataFrame:
+    """Per workload and measured batch size: the best g in 0..max measured g, its predicted figures, and the
+    best speculative g (>= 1) with its speedup over target-only (< 1 where speculation stops paying).
+
+    At one batch size, max tokens/s and min TPOT pick the same g (TPOT = batch / tokens per second); the
+    objectives differ only where the batch size changes (simulate / tune)."""
+    if objective not in ("throughput", "latency"):
+        raise SpectuneError(f"--objective: {objective!r} is not one of throughput, latency")
+    steps = np.arange(fit.max_steps + 1)
+    rows = []
+    for workload, profile in sorted(fit.acceptance.items()):
+        tokens = np.array([profile.expected_tokens(int(g)) for g in steps])  # [G]
+        for bs in fit.cost.batch_sizes:
+            t = fit.cost.t_round(bs, steps)  # [G] ms
+            tpot = t / tokens
+            tps = bs * 1000.0 / tpot
+            best = int(np.argmax(tps) if objective == "throughput" else np.argmin(tpot))
+            spec_best = 1 + int(np.argmin(tpot[1:]))
+            rows.append(
+                {
+                    "workload": workload,
+                    "batch_size": bs,
+                    "best_g": int(steps[best]),
+                    "predicted_tpot_ms": float(tpot[best]),
+                    "predicted_tps": float(tps[best]),
+                    "target_tpot_ms": float(tpot[0]),
+                    "speedup": float(tpot[0] / tpot[best]),
+                    "best_spec_g": spec_best,
+                    "best_spec_speedup": float(tpot[0] / tpot[spec_best]),
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def breakeven_batch_size(rec: pd.DataFrame, workload: str) -> float | None:
+    """The batch size where the best speculative g stops paying (speedup crosses 1), interpolated linearly
+    between measured batch sizes; None if it pays at every measured batch size."""
+    rows = rec[rec["workload"] == workload].sort_values("batch_size")
+    bs, s = rows["batch_size"].to_numpy(float), rows["best_spec_speedup"].to_numpy(float)
+    below = np.flatnonzero(s < 1.0)
+    if below.size == 0:
+        return None
+    i = int(below[0])
+    if i == 0:
+        return float(bs[0])
+    return float(bs[i - 1] + (s[i - 1] - 1.0) / (s[i - 1] - s[i]) * (bs[i] - bs[i - 1]))
+
+
+def prediction_vs_measurement(fit: CostFit, cells: pd.DataFrame) -> pd.DataFrame:
+    """Predicted vs measured TPOT and speedup for every usable static cell of the fitted engine + method
+    (in-sample: the fit used these cells)."""
+    usable, _ = split_failed(cells)
+    usable = usable[(usable["engine"] == fit.engine) & usable["adaptive_config"].isna()]
+    usable = usable[(~usable["is_speculative"].astype(bool)) | (usable["method"] == fit.method)]
+    usable = usable[usable["batch_size"].isin(fit.cost.batch_sizes)].dropna(subset=["tpot_ms_mean"])
+    is_target = ~usable["is_speculative"].astype(bool)
+    base = usable[is_target].groupby(["workload", "batch_size"])["tpot_ms_mean"].mean()
+    rows = []
+    for row in usable.itertuples():
+        g = 0 if not row.is_speculative else int(row.num_speculative_tokens)
+        t1 = fit.cost.t_round(row.batch_size, 0)
+        predicted = fit.cost.t_round(row.batch_size, g) / fit.profile(row.workload).expected_tokens(g)
+        measured_base = base.get((row.workload, row.batch_size), math.nan)
+        rows.append(
+            {
+                "server": row.server,
+                "workload": row.workload,
+                "batch_size": int(row.batch_size),
+                "g": g,
+                "repeat": int(row.repeat),
+                "predicted_tpot_ms": predicted,
+                "measured_tpot_ms": float(row.tpot_ms_mean),
+                "tpot_rel_error": (predicted - row.tpot_ms_mean) / row.tpot_ms_mean,
+                "predicted_speedup": t1 / predicted,
+                "measured_speedup": measured_base / row.tpot_ms_mean,
+            }
+        )
+    return pd.DataFrame(rows)

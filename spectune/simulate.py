@@ -1,0 +1,343 @@
+"""Replay a trace of verify rounds through a step policy and charge the fitted round cost.
+
+A trace holds, per round, the batch and for every request how many drafts WOULD be accepted at the
+trace's horizon K (bonus excluded). Chain drafting makes smaller step counts exact: at g <= K a request
+accepts min(accepted_K, g) drafts and gains that + 1 tokens; at g = 0 it gains 1.
+
+Traces from the embedded engine's round log are censored: a request that accepted every draft of a
+round logged at num_steps = g < K only says "at least g". Such requests are continued to K by sampling
+the fitted conditional per-position acceptance (seeded); without a profile they stay at g (a lower
+bound). A request that rejected a draft, or whose proposer offered fewer drafts than num_steps
+(n-gram found no longer match), is exact at every horizon.
+
+Figures conserve work, they do not fix the number of rounds: a policy that yields more tokens per round
+finishes sooner. The trace is cut into windows of WINDOW_ROUNDS consecutive rounds (short next to a phase
+or a batch-size stretch, long enough for a ratio of sums to be a fair rate); a window's work is the
+tokens its rounds yield at the horizon K, a fixed amount the policy produces at its own rate in that
+window (tokens / ms over the window's rounds). tokens/s = total work / total time; mean TPOT = the
+work-weighted mean over windows of sum(batch x round ms) / tokens. Counting rounds instead would charge a
+policy for time spent at small batch sizes whatever it yields there.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from spectune.adaptive import AdaptiveConfig, AdaptivePolicy
+from spectune.costmodel import AcceptanceProfile, RoundCost
+from spectune.errors import SpectuneError
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Trace:
+    """Rounds of a decode run: batch sizes [R] and accepted drafts at horizon max_steps [R, max batch]
+    (zero-padded past each round's batch size)."""
+
+    name: str
+    max_steps: int
+    batch_sizes: np.ndarray  # [R] int
+    accepted: np.ndarray  # [R, B] int, 0 beyond batch_sizes[r]
+    phases: tuple[str, ...] = ()  # [R] labels, or empty
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.batch_sizes)
+
+
+def trace_from_rows(name: str, max_steps: int, rows: Sequence[Sequence[int]], phases: Sequence[str] = ()) -> Trace:
+    """A trace from per-round lists of accepted drafts (each list's length, >= 1, is that round's batch size)."""
+    width = max(len(r) for r in rows)
+    accepted = np.zeros((len(rows), width), dtype=np.int64)
+    for i, r in enumerate(rows):
+        accepted[i, : len(r)] = np.minimum(r, max_steps)
+    sizes = np.array([len(r) for r in rows], dtype=np.int64)
+    return Trace(name=name, max_steps=max_steps, batch_sizes=sizes, accepted=accepted, phases=tuple(phases))
+
+
+# --- policies -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StaticPolicy:
+    """One step count for every round."""
+
+    steps: int
+
+    @property
+    def label(self) -> str:
+        return f"static g={self.steps}"
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulePolicy:
+    """vLLM's num_speculative_tokens_per_batch_size: inclusive [start, end, k] ranges; a gap carries the
+    previous k and the last k runs to any larger batch size."""
+
+    schedule: tuple[tuple[int, int, int], ...]
+
+    @property
+    def label(self) -> str:
+        return "schedule " + " ".join(f"{s}-{e}:{k}" for s, e, k in self.schedule)
+
+    def steps_for_batch(self, batch_size: int) -> int:
+        k = self.schedule[0][2]
+        for start, _, steps in self.schedule:
+            if batch_size >= start:
+                k = steps
+        return k
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class AdaptiveConfigPolicy:
+    """SGLang's adaptive policy with this config, launched at initial_steps. cuda_graph_bs: None pads like
+    SGLang on a GPU with the default capture list; [] routes unpadded (the embedded engine)."""
+
+    config: AdaptiveConfig
+    initial_steps: int
+    cuda_graph_bs: tuple[int, ...] | None = None
+    name: str = "adaptive"
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True, slots=True)
+class OraclePolicy:
+    """Knows every round's acceptance and picks each round's step count from `candidate_steps` (default
+    0..max_steps) so that every window's rate is the best possible (or its TPOT the least)."""
+
+    candidate_steps: tuple[int, ...] | None = None
+    objective: str = "throughput"
+
+    @property
+    def label(self) -> str:
+        return "oracle"
+
+
+Policy = StaticPolicy | SchedulePolicy | AdaptiveConfigPolicy | OraclePolicy
+
+
+# --- simulation --------------------------------------------------------------------------------------------
+
+
+WINDOW_ROUNDS = 32
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SimResult:
+    policy: str
+    tokens_per_s: float  # all sequences together: work / time
+    mean_tpot_ms: float  # time a sequence waits per token it receives (work-weighted over windows)
+    work_tokens: int  # the trace's work: tokens at horizon K, the same for every policy
+    time_ms: float  # time the policy needs for that work
+    timeline: pd.DataFrame  # per round: round, batch_size, steps, tokens, round_ms, phase
+
+
+def simulate(trace: Trace, policy: Policy, cost: RoundCost) -> SimResult:
+    """Run `policy` over `trace`; pure: a fresh policy state every call."""
+    steps = _choose_steps(trace, policy, cost)
+    if steps.max(initial=0) > trace.max_steps:
+        raise SpectuneError(
+            f"trace {trace.name}: acceptance is known up to {trace.max_steps} steps but {policy.label} chose {int(steps.max())}; "
+            "build the trace with a larger max_steps"
+        )
+    tokens = _round_tokens(trace, steps)
+    round_ms = cost.t_round(trace.batch_sizes, steps)
+    window = np.arange(trace.num_rounds) // WINDOW_ROUNDS
+    win_tokens = np.bincount(window, tokens)
+    win_ms = np.bincount(window, round_ms)
+    win_seq_ms = np.bincount(window, trace.batch_sizes * round_ms)
+    win_work = np.bincount(window, _round_tokens(trace, np.full(trace.num_rounds, trace.max_steps)))
+    time_ms = float((win_work * win_ms / win_tokens).sum())
+    timeline = pd.DataFrame(
+        {
+            "round": np.arange(trace.num_rounds),
+            "batch_size": trace.batch_sizes,
+            "steps": steps,
+            "tokens": tokens,
+            "round_ms": round_ms,
+            "phase": list(trace.phases) if trace.phases else "",
+        }
+    )
+    return SimResult(
+        policy=policy.label,
+        tokens_per_s=win_work.sum() * 1000.0 / time_ms,
+        mean_tpot_ms=float((win_work * win_seq_ms / win_tokens).sum() / win_work.sum()),
+        work_tokens=int(win_work.sum()),
+        time_ms=time_ms,
+        timeline=timeline,
+    )
+
+
+def _round_tokens(trace: Trace, steps: np.ndarray) -> np.ndarray:
+    """[R] tokens: per request min(accepted, g) + 1 (the zero padding adds nothing to the min)."""
+    return trace.batch_sizes + np.minimum(trace.accepted, steps[:, None]).sum(axis=1)
+
+
+def _choose_steps(trace: Trace, policy: Policy, cost: RoundCost) -> np.ndarray:
+    match policy:
+        case StaticPolicy(steps=g):
+            return np.full(trace.num_rounds, g, dtype=np.int64)
+        case SchedulePolicy():
+            lookup = {int(b): policy.steps_for_batch(int(b)) for b in np.unique(trace.batch_sizes)}
+            return np.array([lookup[int(b)] for b in trace.batch_sizes], dtype=np.int64)
+        case AdaptiveConfigPolicy():
+            return _adaptive_steps(trace, policy)
+        case OraclePolicy():
+            return _oracle_steps(trace, policy, cost)
+    raise TypeError(f"not a policy: {policy!r}")
+
+
+def _adaptive_steps(trace: Trace, policy: AdaptiveConfigPolicy) -> np.ndarray:
+    graph_bs = None if policy.cuda_graph_bs is None else list(policy.cuda_graph_bs)
+    live = AdaptivePolicy.from_config(policy.config, policy.initial_steps, cuda_graph_bs=graph_bs)
+    steps = np.empty(trace.num_rounds, dtype=np.int64)
+    for r, (bs, accepted) in enumerate(zip(trace.batch_sizes.tolist(), trace.accepted)):
+        g = live.steps_for_batch(bs)
+        steps[r] = g
+        # What the server sees: drafts accepted at the step it ran (0 at g = 0), bonus excluded.
+        live.on_verify_complete(np.minimum(accepted[:bs], g).tolist(), bs)
+    return steps
+
+
+def _oracle_steps(trace: Trace, policy: OraclePolicy, cost: RoundCost) -> np.ndarray:
+    candidates = np.array(policy.candidate_steps or range(trace.max_steps + 1), dtype=np.int64)  # [G]
+    tokens = np.stack([_round_tokens(trace, np.full(trace.num_rounds, g)) for g in candidates], axis=1)  # [R, G]
+    weight = cost.t_round(trace.batch_sizes[:, None], candidates[None, :])  # [R, G] ms
+    if policy.objective == "latency":  # a window's TPOT = sum(batch x ms) / tokens
+        weight = weight * trace.batch_sizes[:, None]
+    choice = np.empty(trace.num_rounds, dtype=np.int64)
+    for start in range(0, trace.num_rounds, WINDOW_ROUNDS):  # windows are independent (fixed work each)
+        rows = slice(start, start + WINDOW_ROUNDS)
+        choice[rows] = _best_choices(tokens[rows], weight[rows])
+    return candidates[choice]
+
+
+def _best_choices(tokens: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """One column per row of [n, G] tables that maximises sum(tokens) / sum(weight) over all rows
+    (Dinkelbach: pick max tokens - ratio x weight per row, update the ratio, repeat until it stops rising)."""
+    rows = np.arange(len(tokens))
+    ratio = 0.0
+    for _ in range(100):
+        choice = np.argmax(tokens - ratio * weight, axis=1)
+        new_ratio = tokens[rows, choice].sum() / weight[rows, choice].sum()
+        if new_ratio <= ratio * (1 + 1e-12):
+            break
+        ratio = new_ratio
+    return choice
+
+
+# --- traces -------------------------------------------------------------------------------------------------
+
+
+def trace_from_round_log(
+    path: str | Path,
+    *,
+    max_steps: int | None = None,
+    acceptance: AcceptanceProfile | None = None,
+    seed: int = 0,
+) -> Trace:
+    """The embedded engine's per-round log as a trace at horizon max_steps (default: the largest logged
+    num_steps); censored requests are continued with `acceptance` (see the module docstring)."""
+    path = Path(path)
+    rounds = []
+    with path.open() as f:
+        for number, line in enumerate(f, 1):
+            try:
+                row = json.loads(line)
+                rounds.append((int(row["num_steps"]), list(row["proposed"]), list(row["accepted"])))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise SpectuneError(f"{path}:{number}: not a round record ({e}); expected num_steps, proposed, accepted") from None
+    rounds = [r for r in rounds if r[2]]
+    if not rounds:
+        raise SpectuneError(f"{path}: no decode rounds logged; run the sweep with the embedded engine")
+    horizon = max_steps if max_steps is not None else max(r[0] for r in rounds)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for num_steps, proposed, accepted in rounds:
+        acc = np.asarray(accepted, dtype=np.int64)
+        censored = (acc >= np.asarray(proposed)) & (np.asarray(proposed) >= num_steps) & (num_steps < horizon)
+        if acceptance is not None and censored.any():
+            acc[censored] = _continue_chains(acc[censored], horizon, acceptance, rng)
+        rows.append(acc)
+    return trace_from_rows(path.stem, horizon, rows)
+
+
+def _continue_chains(accepted: np.ndarray, horizon: int, profile: AcceptanceProfile, rng: np.random.Generator) -> np.ndarray:
+    """Requests known to accept at least `accepted` drafts: draw positions accepted+1..horizon from the
+    conditional rates and stop at the first rejection."""
+    draws = rng.random((len(accepted), horizon)) < profile.rate_vector(horizon)  # [n, K]
+    draws |= np.arange(horizon)[None, :] < accepted[:, None]  # the known-accepted prefix
+    return np.cumprod(draws, axis=1).sum(axis=1)
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """A stretch of a synthetic trace: num_rounds rounds at one batch size and acceptance."""
+
+    name: str
+    num_rounds: int
+    batch_size: int
+    profile: AcceptanceProfile
+
+
+def synthesize_trace(phases: Sequence[Phase], *, max_steps: int, seed: int, name: str = "synthetic") -> Trace:
+    """Seeded trace: each request's accepted drafts drawn from its phase's per-position acceptance."""
+    rng = np.random.default_rng(seed)
+    width = max(p.batch_size for p in phases)
+    blocks, sizes, labels = [], [], []
+    for p in phases:
+        draws = rng.random((p.num_rounds, p.batch_size, max_steps)) < p.profile.rate_vector(max_steps)  # [R, B, K]
+        block = np.zeros((p.num_rounds, width), dtype=np.int64)
+        block[:, : p.batch_size] = np.cumprod(draws, axis=2).sum(axis=2)
+        blocks.append(block)
+        sizes.append(np.full(p.num_rounds, p.batch_size, dtype=np.int64))
+        labels += [p.name] * p.num_rounds
+    return Trace(name=name, max_steps=max_steps, batch_sizes=np.concatenate(sizes), accepted=np.concatenate(blocks), phases=tuple(labels))
+
+
+def phase_shifting_trace(
+    high: AcceptanceProfile,
+    low: AcceptanceProfile,
+    batch_sizes: Sequence[int],
+    *,
+    max_steps: int,
+    seed: int,
+    phase_rounds: int = 150,
+    batch_rounds: int = 250,
+    num_rounds: int = 3000,
+) -> Trace:
+    """Acceptance alternates high/low every phase_rounds while the batch size steps through batch_sizes
+    (up, then back down) every batch_rounds, so the two shifts fall out of step."""
+    ladder = list(batch_sizes) + list(batch_sizes)[-2:0:-1]
+    phases = []
+    start = 0
+    while start < num_rounds:
+        acc_index, bs_index = start // phase_rounds, start // batch_rounds
+        end = min(num_rounds, (acc_index + 1) * phase_rounds, (bs_index + 1) * batch_rounds)
+        is_high = acc_index % 2 == 0
+        phases.append(Phase("high" if is_high else "low", end - start, ladder[bs_index % len(ladder)], high if is_high else low))
+        start = end
+    return synthesize_trace(phases, max_steps=max_steps, seed=seed, name="phase-shifting")
+
+
+def window_profiles(trace: Trace, window: int = 50) -> list[AcceptanceProfile]:
+    """Per-position acceptance of each `window` consecutive rounds of a trace (how acceptance drifts)."""
+    out = []
+    for start in range(0, trace.num_rounds - window + 1, window):
+        sizes = trace.batch_sizes[start : start + window]
+        acc = trace.accepted[start : start + window]
+        mask = np.arange(acc.shape[1])[None, :] < sizes[:, None]
+        values = acc[mask]  # [requests]
+        survival = np.array([(values >= i).mean() for i in range(1, trace.max_steps + 1)])
+        prev = np.concatenate([[1.0], survival[:-1]])
+        rates = np.divide(survival, prev, out=np.zeros_like(survival), where=prev > 0)
+        out.append(AcceptanceProfile(tuple(float(r) for r in rates)))
+    return out

@@ -1,0 +1,195 @@
+"""The tuner on SYNTHETIC results (tests/synthetic_sweep.py: a known cost and acceptance model written as
+real sweep files), with real Optuna storages: SQLite, and a real PostgreSQL server started here."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from spectune.emit import schedule_from_optima, validate_sglang_config, validate_vllm_config
+from spectune.costmodel import AcceptanceProfile
+from spectune.tune import SearchSpace, TuneOptions, load_results, make_bench, run_trials, storage_for, tune
+from synthetic_sweep import SYNTHETIC_COST, write_synthetic_results
+
+COMPARISONS = {"target_only", "best_static", "best_per_batch_schedule", "sglang_default", "conservative", "aggressive",
+               "oracle", "tuned_adaptive"}
+PG_INSTALL = "apt-get install -y postgresql"
+
+
+@pytest.fixture(scope="module")
+def synthetic_results(tmp_path_factory) -> Path:
+    return write_synthetic_results(tmp_path_factory.mktemp("synthetic") / "synthetic-run")
+
+
+@pytest.fixture
+def results(synthetic_results, tmp_path) -> Path:
+    """A private copy: tune writes study.db and tuned/ into the results directory."""
+    return Path(shutil.copytree(synthetic_results, tmp_path / "synthetic-run"))
+
+
+def test_tune_synthetic_results_recovers_model_and_writes_valid_configs(results):
+    outcome = tune(TuneOptions(results_dir=results, trials=60, seed=0, draft_model="models/draft"), log=lambda _: None)
+    tuned = results / "tuned"
+    assert {p.name for p in outcome.files} == {"adaptive_spec.json", "vllm_speculative_config.json", "llamacpp_flags.txt", "tuning.json"}
+    report = json.loads((tuned / "tuning.json").read_text())
+
+    # Every comparison, scored; the oracle bounds them all; per-batch-size statics beat one static g.
+    scores = {c["name"]: c["speedup"] for c in report["comparisons"]}
+    assert set(scores) == COMPARISONS
+    assert scores["target_only"] == pytest.approx(1.0)
+    assert all(scores["oracle"] >= s for s in scores.values())
+    assert scores["best_per_batch_schedule"] >= scores["best_static"] > 1.0
+    # The tuned adaptive config beats the best static g, overall and on the phase-shifting trace alone.
+    assert scores["tuned_adaptive"] > scores["best_static"]
+    by_name = {c["name"]: c for c in report["comparisons"]}
+    assert by_name["tuned_adaptive"]["phase-shifting: tokens/s"] > by_name["best_static"]["phase-shifting: tokens/s"]
+
+    # The fit inside recovers the synthetic truth; the failing cells are listed as excluded.
+    for row, per_step in zip(report["cost_fit"], SYNTHETIC_COST.per_step_ms, strict=True):
+        assert row["per_step_ms"] == pytest.approx(per_step, rel=0.1)
+    assert report["cost_fit_tpot_abs_rel_error"]["median"] < 0.03
+    assert sorted(c["reason"] for c in report["excluded_cells"]) == ["failure_rate > 0.05", "status failed"]
+    assert report["acceptance"]["quote"]["rates"][0] == pytest.approx(0.95)
+    assert report["breakeven_batch_size"]["quote"] is None and 4 < report["breakeven_batch_size"]["random"] < 8
+    assert {r["batch_size"] for r in report["recommended_steps"]} == set(SYNTHETIC_COST.batch_sizes)
+    assert report["study"]["complete"] == 60 and report["study"]["failed"] == 0
+
+    # Written configs pass the engines' validators and say what the comparisons found.
+    cfg = validate_sglang_config(tuned / "adaptive_spec.json")
+    assert cfg.to_dict() == report["policies"]["tuned_adaptive"]
+    vllm = validate_vllm_config(tuned / "vllm_speculative_config.json")
+    optima = {int(b): k for b, k in report["policies"]["best_per_batch_schedule"]["best_steps_by_batch_size"].items()}
+    assert vllm.num_speculative_tokens_per_batch_size == schedule_from_optima(optima)
+    assert vllm.num_speculative_tokens == max(optima.values()) and vllm.model == "models/draft"
+    statics = report["policies"]["static_speedups"]
+    best_g = max((g for g in statics if int(g) > 0), key=statics.get)
+    assert (tuned / "llamacpp_flags.txt").read_text().split() == ["-md", "models/draft", "--spec-type", "draft-simple", "--spec-draft-n-max", best_g]
+
+
+def test_single_workload_run_takes_phase_acceptance_from_its_round_log(tmp_path):
+    # One workload per run (as a sweep writes it); its round log alternates easy and hard stretches.
+    root = write_synthetic_results(tmp_path / "phase-run", profiles={"phase": AcceptanceProfile((0.6,))})
+    cells, _, round_logs = load_results(root)
+    bench = make_bench(cells, round_logs, "throughput", seed=0)
+    assert [t.name for t in bench.traces] == ["draft-g8-phase", "phase-shifting"]
+    phase = bench.traces[1]
+    labels = np.array(phase.phases)
+    per_request = lambda label: phase.accepted[labels == label].sum() / phase.batch_sizes[labels == label].sum()
+    # The log's quote stretches accept ~5.5 of 8 drafts, its random ones ~0.4: the trace keeps that contrast.
+    assert per_request("high") > 4 > 1 > per_request("low")
+
+
+def test_configs_invalid_for_the_sglang_version_are_fail_trials_and_the_study_goes_on(results):
+    # SGLang 0.5.13 has no step 0: every trial whose ladders hold 0 is invalid there.
+    outcome = tune(TuneOptions(results_dir=results, trials=15, seed=0, sglang_version="0.5.13", draft_model="d"), log=lambda _: None)
+    assert outcome.num_failed >= 1 and outcome.num_complete >= 1 and outcome.num_failed + outcome.num_complete == 15
+    study = optuna.load_study(study_name=outcome.study_name, storage=f"sqlite:///{results / 'study.db'}")
+    failed = [t for t in study.trials if t.state == TrialState.FAIL]
+    assert all("step 0 needs SGLang >= 0.5.14" in t.user_attrs["error"] for t in failed)
+    written = validate_sglang_config(results / "tuned" / "adaptive_spec.json", version="0.5.13")
+    assert all(0 not in slot.candidate_steps for slot in written.slots.values())
+
+
+def test_fault_injected_failing_objective_is_recorded_fail_and_the_study_goes_on():
+    calls = []
+
+    def flaky_objective(cfg):  # fault injection: a simulation cannot be made to crash on demand
+        calls.append(cfg)
+        if len(calls) % 3 == 0:
+            raise RuntimeError("injected simulator crash")
+        return type("Score", (), {"speedup": 1.0 + len(calls) / 100, "results": {}})()
+
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=0))
+    messages = []
+    run_trials(study, SearchSpace(batch_sizes=(1, 4, 16), steps=(0, 1, 3)), flaky_objective, 12, messages.append)
+    states = [t.state for t in study.trials]
+    assert len(states) == 12 and states.count(TrialState.FAIL) == 4 and states.count(TrialState.COMPLETE) == 8
+    assert all(t.user_attrs["error"] == "RuntimeError: injected simulator crash" for t in study.trials if t.state == TrialState.FAIL)
+    assert len(messages) == 4 and study.best_value == pytest.approx(1.11)
+
+
+def test_cli_worker_runs_trials_only_then_trials_0_writes_configs(results, spectune_cmd):
+    worker = subprocess.run([*spectune_cmd, "tune", str(results), "--worker", "--trials", "4"], capture_output=True, text=True)
+    assert worker.returncode == 0, worker.stderr
+    assert "4 complete" in worker.stdout and not (results / "tuned").exists()
+    final = subprocess.run([*spectune_cmd, "tune", str(results), "--trials", "0", "--draft-model", "d", "--out", str(results / "cfg")],
+                           capture_output=True, text=True)
+    assert final.returncode == 0, final.stderr
+    report = json.loads((results / "cfg" / "tuning.json").read_text())
+    assert report["study"]["complete"] == 4
+    assert {c["name"] for c in report["comparisons"]} == COMPARISONS
+    bad = subprocess.run([*spectune_cmd, "tune", str(results), "--objective", "fast"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --objective 'fast': must be one of throughput, latency"
+
+
+# --- a real PostgreSQL server ---------------------------------------------------------------------------------
+
+
+def _postgres_bindir() -> Path | None:
+    found = glob.glob("/usr/lib/postgresql/*/bin/initdb")
+    if not found and os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "install", "-y", "postgresql"], capture_output=True, timeout=600,
+                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        found = glob.glob("/usr/lib/postgresql/*/bin/initdb")
+    return Path(sorted(found)[-1]).parent if found else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def postgres_url():
+    """A throw-away PostgreSQL on 127.0.0.1 (as the postgres user when run as root: it refuses root)."""
+    bindir = _postgres_bindir()
+    if bindir is None:
+        pytest.skip(f"PostgreSQL is not installed and could not be installed; run: {PG_INSTALL}")
+    home = Path(tempfile.mkdtemp(prefix="spectune-pg-"))
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        shutil.chown(home, "postgres", "postgres")
+        as_user = ["runuser", "-u", "postgres", "--"]
+    data, port = home / "data", _free_port()
+    run = lambda *cmd: subprocess.run([*as_user, *map(str, cmd)], check=True, capture_output=True, timeout=120)
+    run(bindir / "initdb", "-D", data, "-A", "trust", "-U", "postgres", "--no-sync")
+    run(bindir / "pg_ctl", "-D", data, "-l", home / "server.log", "-w", "-o",
+        f"-c listen_addresses=127.0.0.1 -p {port} -k {home} -c fsync=off", "start")
+    try:
+        run(bindir / "createdb", "-h", "127.0.0.1", "-p", port, "-U", "postgres", "spectune")
+        yield f"postgresql://postgres:secret@127.0.0.1:{port}/spectune"
+    finally:
+        run(bindir / "pg_ctl", "-D", data, "-m", "fast", "-w", "stop")
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_two_workers_share_one_postgresql_study(results, postgres_url, spectune_cmd):
+    cmd = [*spectune_cmd, "tune", str(results), "--storage", postgres_url, "--worker", "--trials", "5"]
+    workers = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [w.communicate(timeout=300) for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], [o[1][-3000:] for o in outputs]
+    study = optuna.load_study(study_name="spectune-synthetic-run-draft_model-throughput", storage=storage_for(postgres_url))
+    complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert len(complete) == 10
+    by_worker = {t.user_attrs["worker"] for t in complete}
+    assert by_worker == {f"{socket.gethostname()}:{w.pid}" for w in workers}  # both contributed
+
+    final = subprocess.run([*spectune_cmd, "tune", str(results), "--storage", postgres_url, "--trials", "0", "--draft-model", "d"],
+                           capture_output=True, text=True)
+    assert final.returncode == 0, final.stderr
+    text = (results / "tuned" / "tuning.json").read_text()
+    report = json.loads(text)
+    assert report["study"]["complete"] == 10 and "secret" not in text and report["study"]["storage"].startswith("postgresql://postgres:***@")
+    assert report["policies"]["tuned_adaptive"] == max(complete, key=lambda t: t.value).user_attrs["config"]
