@@ -16,9 +16,83 @@ DEFAULT_PLAN = REPO_ROOT / "configs" / "embedded.toml"
 app = typer.Typer(help="Measure speculative decoding and tune its step counts.", no_args_is_help=True, add_completion=False)
 
 # --- serve (owned by the engine work) ---
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Address to bind."),
+    port: int = typer.Option(8000, help="Port to bind (0 = any free port; the ready line names it)."),
+    model: Optional[Path] = typer.Option(None, help="Target: an HF Llama checkpoint dir. Default: the shipped target."),
+    served_model_name: Optional[str] = typer.Option(None, help="Model name in the API. Default: the model dir's name."),
+    speculative_config: Optional[str] = typer.Option(
+        None, help='vLLM-style JSON, e.g. \'{"method": "draft_model", "num_speculative_tokens": 3}\' or '
+        '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'. Default: no speculation.'),
+    speculative_adaptive_config: Optional[Path] = typer.Option(
+        None, help="SGLang adaptive_spec.json: steps adapt per batch size (num_speculative_tokens is the launch step)."),
+    max_num_seqs: int = typer.Option(16, help="Most sequences decoded together (KV-cache slots)."),
+    max_model_len: Optional[int] = typer.Option(None, help="Prompt + output limit. Default: the target's max_position_embeddings."),
+    round_log: Optional[Path] = typer.Option(None, help="Append one JSON line per verify round to this file."),
+    seed: int = typer.Option(0, help="Seed for requests that bring no seed of their own."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads. Default: $SPECTUNE_TORCH_THREADS, else torch's default."),
+) -> None:
+    """Run the embedded speculative-decoding engine as an OpenAI-compatible server."""
+    from spectune.engine.config import EngineConfig, ServeOptions, SpeculativeConfig
+    from spectune.engine.server import serve as run_server
+
+    spec = SpeculativeConfig.parse(speculative_config) if speculative_config else None
+    engine = EngineConfig(model=model, speculative=spec, adaptive_config=speculative_adaptive_config, max_num_seqs=max_num_seqs,
+                          max_model_len=max_model_len, seed=seed, round_log=round_log, num_threads=threads)
+    run_server(ServeOptions(engine=engine, host=host, port=port, served_model_name=served_model_name))
 # --- end serve ---
 
 # --- model / tune / validate-config (owned by the tuning work) ---
+@app.command("validate-config")
+def validate_config(
+    file: Path = typer.Argument(..., help="SGLang adaptive_spec.json or a vLLM speculative-config JSON file."),
+    engine: str = typer.Option(..., help="sglang or vllm"),
+    sglang_version: str = typer.Option("0.5.23", help="SGLang release the file is for (0.5.13 or later)."),
+) -> None:
+    """Check a config the way the engine would, plus what it would silently get wrong; exit 2 on the first problem."""
+    from spectune.emit import describe_config_file
+
+    typer.echo("OK: " + describe_config_file(file, engine, sglang_version))
+
+
+@app.command()
+def model(
+    alpha: str = typer.Option(..., help="Acceptance rate(s), e.g. 0.8 or 0.6,0.7,0.8,0.9."),
+    cost: float = typer.Option(0.05, min=0.0, help="Draft step cost / target step cost (c)."),
+    gamma: str = typer.Option("2,4,7,10", help="Draft lengths: a list (2,4,7,10) or a range (1-10)."),
+) -> None:
+    """Expected tokens per round (1 - a^(g+1))/(1 - a) and speedup E/(g*c + 1) for each alpha and g."""
+    from spectune.costmodel import model_table, parse_alphas, parse_gammas
+
+    table = model_table(parse_alphas(alpha), parse_gammas(gamma), cost)
+    typer.echo(table.to_string(index=False, formatters={"alpha": "{:.2f}".format, "expected_tokens": "{:.2f}".format, "speedup": "{:.2f}".format}))
+
+
+@app.command()
+def tune(
+    results: Path = typer.Argument(..., help="A results directory written by spectune sweep."),
+    storage: Optional[str] = typer.Option(None, help="Optuna storage URL. Default: sqlite:///<RESULTS>/study.db; postgresql://... shares one study across machines."),
+    trials: int = typer.Option(100, min=0, help="Trials to run here (0: only write the configs from the study's best trial)."),
+    objective: str = typer.Option("throughput", help="throughput (tokens/s) or latency (mean TPOT)."),
+    worker: bool = typer.Option(False, help="Only run trials for the shared study; write nothing (finish with --trials 0)."),
+    seed: int = typer.Option(0, help="Seed of the sampler and the synthetic traces."),
+    sglang_version: str = typer.Option("0.5.23", help="SGLang release to write adaptive_spec.json for."),
+    out: Optional[Path] = typer.Option(None, help="Output directory. Default: <RESULTS>/tuned."),
+    draft_model: Optional[str] = typer.Option(None, help="Draft model path for the vLLM / llama.cpp outputs. Default: the plan's."),
+    method: Optional[str] = typer.Option(None, help="Speculative method to tune (e.g. draft_model, ngram). Default: the most measured."),
+) -> None:
+    """Search SGLang adaptive configs on the measured traces; write adaptive_spec.json, vLLM and llama.cpp configs."""
+    from spectune.tune import TuneOptions
+    from spectune.tune import tune as run_tune
+
+    outcome = run_tune(TuneOptions(results_dir=results, storage=storage, trials=trials, objective=objective, worker=worker, seed=seed,
+                                   sglang_version=sglang_version, out_dir=out, draft_model=draft_model, method=method), log=typer.echo)
+    if outcome.summary is not None:
+        typer.echo(outcome.summary[["name", "speedup", "policy"]].to_string(index=False, float_format="%.3f"))
+        typer.echo("\n".join(str(p) for p in outcome.files))
+
+
 # --- end model / tune / validate-config ---
 
 
@@ -59,6 +133,9 @@ def sweep(
         raise typer.Exit(130)
     typer.echo(f"{outcome.done} cells measured, {outcome.failed} failed, {outcome.skipped} already done. Results: {root}")
     typer.echo(f"Next: spectune report {root}   |   spectune tune {root}")
+    if outcome.failed:
+        typer.echo(f"{outcome.failed} cell(s) failed: their causes are in {root}/cells/*.json and the report", err=True)
+        raise typer.Exit(1)
 
 
 def _recorded_plan(root: Path, overrides: dict):

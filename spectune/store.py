@@ -119,10 +119,11 @@ class RunStore:
         run = load_run(self.root)
         _write_parquet(self.root / "cells.parquet", run.cells)
         _write_parquet(self.root / "requests.parquet", run.requests)
-        if not run.cells.empty:
+        ok = run.cells[run.cells["status"] == "ok"] if not run.cells.empty else run.cells
+        if not ok.empty and (~ok["is_speculative"]).any() and ok["is_speculative"].any():
             from spectune.analysis import speedup_table
 
-            _write_parquet(self.root / "summary.parquet", speedup_table(run.cells))
+            _write_parquet(self.root / "summary.parquet", speedup_table(ok))
 
 
 def _write_parquet(path: Path, frame: "pd.DataFrame") -> None:

@@ -180,20 +180,24 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log) -> dict:
     requests, schedule, digest = traffic_for(plan, cell.batch_size)
     row: dict = _cell_header(plan, cell, digest)
     records: list = []
-    server.reset_cache()
     common = dict(temperature=plan.temperature, seed=plan.seed, ignore_eos=plan.ignore_eos, api_key=_api_key(cell.server),
                   request_timeout_s=plan.request_timeout_s, stall_timeout_s=plan.stall_timeout_s)
     warmup = plan.warmup_per_slot * cell.batch_size
     sampler = MemorySampler(server.pid())
     interrupted = False
     try:
-        if warmup:
-            asyncio.run(run_requests(server.base_url, server.model_name, requests[:warmup], schedule, **common))
-        before = server.scrape()
         sampler.start()
-        t0 = time.time()
-        asyncio.run(run_requests(server.base_url, server.model_name, requests, schedule, sink=records, **common))
-        row["wall_s"] = time.time() - t0
+        scrapes: list = []
+
+        def reset_and_scrape() -> None:  # a warm-up fills the prefix cache with these very prompts
+            server.reset_cache()
+            scrapes.append(server.scrape())
+
+        if not warmup:
+            reset_and_scrape()
+        asyncio.run(run_requests(server.base_url, server.model_name, requests, schedule, records=records,
+                                 warmup_requests=warmup, after_warmup=reset_and_scrape if warmup else None, **common))
+        before = scrapes[0]
         after = server.scrape()
         acc = acceptance(before, after)
         row["acceptance_rate"], row["acceptance_length"] = acc.rate, acc.mean_length

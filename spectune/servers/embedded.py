@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -52,6 +53,9 @@ class EmbeddedServer(LaunchedServer):
             argv += ["--speculative-adaptive-config", spec.adaptive_config]
         if self.max_batch_size is not None:
             argv += ["--max-num-seqs", str(self.max_batch_size)]
+        if "--threads" not in spec.extra_args:
+            # The load generator shares this machine: leave it a core, or both starve (measured 100x slower).
+            argv += ["--threads", str(max(1, (os.cpu_count() or 2) - 1))]
         return argv + list(spec.extra_args)
 
     def _launch_spec(self) -> ServerSpec:
