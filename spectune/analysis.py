@@ -1,0 +1,253 @@
+"""Per-request records -> per-cell metrics, acceptance from scrapes, and speedups vs target-only.
+
+Metrics (times in ms, from perf_counter_ns stamps taken by the load generator; a "token chunk" is a
+streamed chunk that carried >= 1 output token, so role-only and empty chunks never count):
+- ttft_ms          send -> first token chunk.
+- icl_ms           inter-chunk latency: one value per gap between consecutive token chunks (what vLLM's
+                   bench calls ITL). Under speculative decoding one chunk carries several tokens.
+- itl_ms           inter-token latency: each gap between token chunks split evenly over the tokens of the
+                   later chunk (a 30 ms gap bringing 3 tokens gives three values of 10 ms; SGLang's bench).
+                   Extra tokens in the first chunk add no value (they arrive with TTFT).
+- tpot_ms          per request (e2e_ms - ttft_ms) / (output_tokens - 1); NaN when output_tokens <= 1.
+- e2e_ms           send -> last token chunk (not the end of the stream: the trailing usage chunk and
+                   [DONE] carry no tokens, so TPOT and ITL cover the same span).
+- tokens_per_chunk per request output_tokens / number of token chunks.
+output_tokens is the server's final usage count; when a server sends none, the per-chunk sum.
+Pooling: icl_ms and itl_ms pool every gap of every successful request; ttft_ms, tpot_ms, e2e_ms and
+tokens_per_chunk give one value per successful request. Each is reported as _mean, _p50, _p90, _p99
+(linear interpolation). Warm-up requests are left out entirely. Failed requests are left out of the
+latency figures but counted in num_failed and failure_rate; they are never dropped silently.
+Throughput is over the measured window, first send to last end (stream end or failure) among measured
+requests: request_throughput_rps = successful requests / duration_s; output_throughput_tps = output
+tokens of successful requests / duration_s (tokens, never chunks); goodput_rps = successful requests
+meeting every limit of the Slo / duration_s (a request with no TPOT, output_tokens <= 1, is judged on
+the other limits). num_token_mismatch counts requests whose usage total differs from the per-chunk sum.
+
+Speedup (speedup_table): each speculative cell is paired with the target-only cell of the same batch
+size and repeat number; the speedup is the geometric mean of the per-repeat ratios, with a 95%
+t-interval on the log-ratios (NaN with a single repeat).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from spectune.errors import SpectuneError
+from spectune.records import Acceptance, RequestRecord, Scrape
+
+LATENCY_METRICS = ("ttft_ms", "icl_ms", "itl_ms", "tpot_ms", "e2e_ms", "tokens_per_chunk")
+NS_PER_MS = 1e6
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """Service-level limits for goodput; None = no limit on that metric."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+
+
+def request_frame(records: list[RequestRecord]) -> pd.DataFrame:
+    """One row per measured (non-warm-up) request, failed ones included with their error."""
+    rows = []
+    for r in records:
+        if r.warmup:
+            continue
+        output_tokens = r.output_tokens if r.output_tokens is not None else r.counted_tokens
+        ttft = e2e = math.nan
+        if r.chunk_ns:
+            ttft = (r.chunk_ns[0] - r.send_ns) / NS_PER_MS
+            e2e = (r.chunk_ns[-1] - r.send_ns) / NS_PER_MS
+        rows.append(
+            {
+                "index": r.index,
+                "send_ns": r.send_ns,
+                "end_ns": r.end_ns,
+                "ttft_ms": ttft,
+                "tpot_ms": (e2e - ttft) / (output_tokens - 1) if output_tokens > 1 else math.nan,
+                "e2e_ms": e2e,
+                "output_tokens": output_tokens,
+                "counted_tokens": r.counted_tokens,
+                "prompt_tokens": r.prompt_tokens,
+                "num_chunks": len(r.chunk_ns),
+                "tokens_per_chunk": output_tokens / len(r.chunk_ns) if r.chunk_ns else math.nan,
+                "token_source": r.token_source,
+                "token_mismatch": r.output_tokens is not None and r.output_tokens != r.counted_tokens,
+                "error": r.error,
+            }
+        )
+    return pd.DataFrame(rows, columns=_FRAME_COLUMNS)
+
+
+_FRAME_COLUMNS = [
+    "index", "send_ns", "end_ns", "ttft_ms", "tpot_ms", "e2e_ms", "output_tokens", "counted_tokens",
+    "prompt_tokens", "num_chunks", "tokens_per_chunk", "token_source", "token_mismatch", "error",
+]
+
+
+def chunk_gaps(records: list[RequestRecord]) -> tuple[list[float], list[float]]:
+    """(icl_ms, itl_ms) pooled over all successful measured requests."""
+    icl, itl = [], []
+    for r in records:
+        if r.warmup or r.error is not None:
+            continue
+        for i in range(1, len(r.chunk_ns)):
+            gap = (r.chunk_ns[i] - r.chunk_ns[i - 1]) / NS_PER_MS
+            icl.append(gap)
+            itl.extend([gap / r.chunk_tokens[i]] * r.chunk_tokens[i])
+    return icl, itl
+
+
+def summarize_cell(records: list[RequestRecord], slo: Slo | None = None) -> dict[str, float]:
+    """Flat metrics of one cell (see the module docstring for every definition)."""
+    frame = request_frame(records)
+    ok = frame[frame["error"].isna()]
+    icl, itl = chunk_gaps(records)
+    pooled = {"icl_ms": icl, "itl_ms": itl}  # one value per gap; the others one per request
+    summary: dict[str, float] = {}
+    for name in LATENCY_METRICS:
+        summary |= _stats(name, pooled[name] if name in pooled else ok[name])
+    duration_s = float(frame["end_ns"].max() - frame["send_ns"].min()) / 1e9 if len(frame) else math.nan
+    per_s = 1.0 / duration_s if duration_s > 0 else math.nan
+    output_tokens_total = int(ok["output_tokens"].sum())
+    summary |= {
+        "num_requests": len(frame),
+        "num_failed": len(frame) - len(ok),
+        "failure_rate": (len(frame) - len(ok)) / len(frame) if len(frame) else math.nan,
+        "duration_s": duration_s,
+        "request_throughput_rps": len(ok) * per_s,
+        "output_throughput_tps": output_tokens_total * per_s,
+        "output_tokens_total": output_tokens_total,
+        "num_token_mismatch": int(frame["token_mismatch"].sum()),
+    }
+    if slo is not None:
+        summary["goodput_rps"] = int(_meets(ok, slo).sum()) * per_s
+    return summary
+
+
+def _stats(name: str, values) -> dict[str, float]:
+    arr = np.asarray(values, dtype=float)
+    arr = arr[~np.isnan(arr)]
+    if arr.size == 0:
+        return {f"{name}_{s}": math.nan for s in ("mean", "p50", "p90", "p99")}
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return {f"{name}_mean": float(arr.mean()), f"{name}_p50": float(p50), f"{name}_p90": float(p90), f"{name}_p99": float(p99)}
+
+
+def _meets(ok: pd.DataFrame, slo: Slo) -> pd.Series:
+    meets = pd.Series(True, index=ok.index)
+    for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        limit = getattr(slo, name)
+        if limit is not None:
+            passes = ok[name] <= limit
+            if name == "tpot_ms":  # a single-token request has no TPOT to miss
+                passes |= ok[name].isna()
+            meets &= passes
+    return meets
+
+
+def acceptance(before: Scrape, after: Scrape) -> Acceptance:
+    """Acceptance over the window between two scrapes.
+
+    vLLM counters: rate = dAccepted / dDraftTokens, mean_length = 1 + dAccepted / dDrafts,
+    per_pos[i] = dAcceptedAtPos[i] / dDrafts. Without counters (SGLang), mean_length is the server's
+    lifetime avg_accept_length and is_lifetime is True. No drafts in the window: all None.
+    """
+    drafts = _delta(before.num_drafts, after.num_drafts)
+    if drafts is None:
+        if after.avg_accept_length is not None:
+            return Acceptance(rate=None, mean_length=after.avg_accept_length, is_lifetime=True)
+        return Acceptance(rate=None, mean_length=None)
+    accepted = _delta(before.num_accepted_tokens, after.num_accepted_tokens)
+    draft_tokens = _delta(before.num_draft_tokens, after.num_draft_tokens)
+    if drafts <= 0:
+        return Acceptance(rate=None, mean_length=None)
+    per_pos = ()
+    if len(before.accepted_per_pos) == len(after.accepted_per_pos):
+        per_pos = tuple((a - b) / drafts for b, a in zip(before.accepted_per_pos, after.accepted_per_pos))
+    return Acceptance(
+        rate=accepted / draft_tokens if accepted is not None and draft_tokens else None,
+        mean_length=1 + accepted / drafts if accepted is not None else None,
+        per_pos=per_pos,
+    )
+
+
+def _delta(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else after - before
+
+
+def speedup_table(
+    cells: pd.DataFrame, metric: str = "output_throughput_tps", *, tpot_metric: str = "tpot_ms_mean", baseline: str | None = None
+) -> pd.DataFrame:
+    """Speedup of every speculative (server, batch_size) over the target-only server at that batch size.
+
+    `cells`: one row per measured cell with columns server, is_speculative, num_speculative_tokens,
+    batch_size, repeat, status and the metric columns. Only status "ok" counts. `speedup` is
+    spec/target of `metric` (higher is better); `tpot_speedup` is target/spec of `tpot_metric`.
+    `baseline` names the target-only server when there is more than one.
+    """
+    required = {"server", "is_speculative", "num_speculative_tokens", "batch_size", "repeat", "status", metric}
+    missing = required - set(cells.columns)
+    if missing:
+        raise SpectuneError(f"cells: missing column(s) {', '.join(sorted(missing))}; pass a frame with one row per cell")
+    ok = cells[cells["status"] == "ok"]
+    targets = sorted(ok.loc[~ok["is_speculative"].astype(bool), "server"].unique())
+    if baseline is None:
+        if len(targets) != 1:
+            raise SpectuneError(f"speedup: {len(targets)} target-only servers ({', '.join(targets)}); name one as baseline")
+        baseline = targets[0]
+    elif baseline not in targets:
+        raise SpectuneError(f"baseline: {baseline!r} has no ok target-only cells; choose one of {', '.join(targets)}")
+    target = ok[ok["server"] == baseline]
+    rows = []
+    for (server, batch_size), spec in ok[ok["is_speculative"].astype(bool)].groupby(["server", "batch_size"], sort=True):
+        pairs = spec.merge(target[target["batch_size"] == batch_size], on="repeat", suffixes=("", "_target"))
+        speedup, low, high = _ratio_ci(pairs[metric] / pairs[f"{metric}_target"])
+        row = {
+            "server": server,
+            "num_speculative_tokens": spec["num_speculative_tokens"].iloc[0],
+            "batch_size": batch_size,
+            "num_repeats": len(pairs),
+            "speedup": speedup,
+            "speedup_ci_low": low,
+            "speedup_ci_high": high,
+        }
+        if tpot_metric in pairs.columns:
+            tpot, tpot_low, tpot_high = _ratio_ci(pairs[f"{tpot_metric}_target"] / pairs[tpot_metric])
+            row |= {"tpot_speedup": tpot, "tpot_speedup_ci_low": tpot_low, "tpot_speedup_ci_high": tpot_high}
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _ratio_ci(ratios: pd.Series) -> tuple[float, float, float]:
+    """Geometric mean of the ratios and its 95% t-interval (on log-ratios); NaN where undefined."""
+    logs = np.log(ratios.to_numpy(dtype=float))
+    logs = logs[np.isfinite(logs)]
+    if logs.size == 0:
+        return math.nan, math.nan, math.nan
+    center = float(np.exp(logs.mean()))
+    if logs.size < 2:
+        return center, math.nan, math.nan
+    half = t_quantile_975(logs.size - 1) * logs.std(ddof=1) / math.sqrt(logs.size)
+    return center, float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half))
+
+
+# Two-sided 95% Student-t critical values for 1..30 degrees of freedom (scipy stays a test-only dependency).
+_T975 = (
+    12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
+    2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
+    2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423,
+)
+
+
+def t_quantile_975(df: int) -> float:
+    """The 0.975 quantile of Student's t; beyond the table, the Cornish-Fisher expansion (error < 1e-4)."""
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)

@@ -1,0 +1,274 @@
+"""Streaming load generator: sends a request list on a schedule and timestamps every chunk. No analysis.
+
+Token counting, per chunk, never assuming one token per chunk. In order of preference:
+  usage      `usage.completion_tokens` on every chunk (vLLM/SGLang `continuous_usage_stats`): the delta
+  timings    llama-server's cumulative `timings.predicted_n` (sent per chunk with timings_per_token)
+  token_ids  `choices[0].token_ids` (vLLM `return_token_ids`)
+  text       1 token per chunk with non-empty text: a guess, flagged in RequestRecord.token_source
+Role-only and empty chunks carry no tokens. A chunk without `choices` (the final usage chunk) only sets
+`output_tokens`; if that total differs from the per-chunk sum, both are kept (output_tokens and
+counted_tokens) and analysis flags the mismatch.
+
+Warm-up: `warmup_requests` requests (taken cyclically from the same list) go first, through the same
+schedule, and are returned flagged `warmup=True` (analysis leaves them out). `after_warmup` runs once
+they have all finished, e.g. to reset the server's prefix cache, which they have just filled.
+
+Cancellation (Ctrl-C): in-flight requests are cancelled and their connections closed; the records
+finished so far stay in the `records` list the caller passed in (in-flight ones are not recorded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import aiohttp
+
+from spectune.records import Request, RequestRecord
+from spectune.workload import Schedule
+
+
+def request_body(
+    request: Request, model: str, *, temperature: float, seed: int, ignore_eos: bool, extra_body: dict | None = None
+) -> dict:
+    """The JSON body sent for one request; its per-request seed is `seed + request.index`."""
+    body: dict = {"model": model}
+    if request.messages is not None:
+        body["messages"] = [{"role": role, "content": content} for role, content in request.messages]
+    else:
+        body["prompt"] = request.prompt
+    body |= {
+        "max_tokens": request.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "ignore_eos": ignore_eos,
+        "temperature": temperature,
+        "seed": seed + request.index,
+    }
+    return body | (extra_body or {})
+
+
+async def run_requests(
+    base_url: str,
+    model: str,
+    requests: list[Request],
+    schedule: Schedule,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    ignore_eos: bool = True,
+    api_key: str | None = None,
+    request_timeout_s: float = 120.0,
+    stall_timeout_s: float = 30.0,
+    extra_body: dict | None = None,
+    warmup_requests: int = 0,
+    after_warmup: Callable[[], None] | None = None,
+    records: list[RequestRecord] | None = None,
+) -> list[RequestRecord]:
+    """Send `requests` on `schedule`; return one record per request (warm-up ones first, flagged).
+
+    Request i carries seed `seed + i`. A request fails (recorded with its error, never dropped) on an
+    HTTP status other than 200, a malformed chunk, a stream that ends without [DONE], no SSE line for
+    `stall_timeout_s` (the wait for the first one included), or no end within `request_timeout_s`.
+    Records are appended to `records` (pass an empty list, or None for a new one) as requests finish,
+    and sorted by (warm-up first, index) at the end; that same list is returned.
+    """
+    out = [] if records is None else records
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
+    sender = _Sender(
+        base_url=base_url.rstrip("/"),
+        model=model,
+        headers=headers,
+        request_timeout_s=request_timeout_s,
+        stall_timeout_s=stall_timeout_s,
+        sampling=dict(temperature=temperature, seed=seed, ignore_eos=ignore_eos, extra_body=extra_body),
+    )
+    timeout = aiohttp.ClientTimeout(total=None)  # our own timer (see _Sender._stream) covers every wait
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        if warmup_requests > 0 and requests:
+            warmup = [replace(requests[i % len(requests)], index=i) for i in range(warmup_requests)]
+            await _run_phase(session, sender, warmup, schedule, out, is_warmup=True)
+            if after_warmup is not None:
+                await asyncio.to_thread(after_warmup)
+        await _run_phase(session, sender, requests, schedule, out, is_warmup=False)
+    out.sort(key=lambda r: (not r.warmup, r.index))
+    return out
+
+
+def run_cell(
+    base_url: str,
+    model: str,
+    requests: list[Request],
+    schedule: Schedule,
+    **kwargs,
+) -> list[RequestRecord]:
+    """Blocking form of run_requests (same keyword arguments)."""
+    return asyncio.run(run_requests(base_url, model, requests, schedule, **kwargs))
+
+
+async def _run_phase(
+    session: aiohttp.ClientSession,
+    sender: _Sender,
+    requests: list[Request],
+    schedule: Schedule,
+    out: list[RequestRecord],
+    *,
+    is_warmup: bool,
+) -> None:
+    """Dispatch in list order: wait for the request's offset, then for a free slot, then send."""
+    offsets = schedule.send_offsets(requests)
+    slots = asyncio.Semaphore(schedule.max_concurrency) if schedule.max_concurrency else None
+    tasks: list[asyncio.Task] = []
+
+    async def send(request: Request) -> None:
+        try:
+            out.append(await sender.send(session, request, is_warmup))
+        finally:
+            if slots is not None:
+                slots.release()
+
+    start_ns = time.perf_counter_ns()
+    try:
+        for request, offset in zip(requests, offsets):
+            if offset is not None:
+                delay_ns = start_ns + int(offset * 1e9) - time.perf_counter_ns()
+                if delay_ns > 0:
+                    await asyncio.sleep(delay_ns / 1e9)
+            if slots is not None:
+                await slots.acquire()
+            tasks.append(asyncio.create_task(send(request)))
+        await asyncio.gather(*tasks)
+    finally:  # on cancellation (or a bug), close every open stream before leaving
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass(slots=True)
+class _Sender:
+    """Sends one request and records its stream. Holds the settings shared by every request of a run."""
+
+    base_url: str
+    model: str
+    headers: dict[str, str]
+    request_timeout_s: float
+    stall_timeout_s: float
+    sampling: dict  # request_body's keyword arguments
+
+    async def send(self, session: aiohttp.ClientSession, request: Request, is_warmup: bool) -> RequestRecord:
+        path = "/v1/chat/completions" if request.messages is not None else "/v1/completions"
+        data = json.dumps(request_body(request, self.model, **self.sampling)).encode("utf-8")
+        record = RequestRecord(index=request.index, send_ns=time.perf_counter_ns(), warmup=is_warmup)
+        try:
+            await self._stream(session, self.base_url + path, data, record)
+        finally:
+            record.end_ns = time.perf_counter_ns()
+        return record
+
+    async def _stream(self, session: aiohttp.ClientSession, url: str, data: bytes, record: RequestRecord) -> None:
+        # One timer serves both limits: it is moved to min(request end, now + stall) before every read.
+        # (asyncio.wait_for nested in asyncio.timeout can swallow the outer cancel on Python 3.11.)
+        loop = asyncio.get_running_loop()
+        request_end = loop.time() + self.request_timeout_s
+        num_chunks, counter = 0, _TokenCounter()
+        timer = asyncio.timeout(min(request_end, loop.time() + self.stall_timeout_s))
+        try:
+            async with timer, session.post(url, data=data, headers=self.headers) as response:
+                if response.status != 200:
+                    body = await response.text(errors="replace")
+                    record.error = f"http {response.status}: {body[:200]}"
+                    return
+                while True:
+                    timer.reschedule(min(request_end, loop.time() + self.stall_timeout_s))
+                    line = await response.content.readline()
+                    now_ns = time.perf_counter_ns()
+                    if not line:
+                        record.error = f"stream ended early after {num_chunks} chunks (no [DONE])"
+                        return
+                    payload = _sse_data(line)
+                    if payload is None:
+                        continue
+                    if payload == b"[DONE]":
+                        return
+                    try:
+                        chunk = json.loads(payload)
+                    except ValueError:
+                        chunk = None
+                    if not isinstance(chunk, dict):
+                        record.error = f"malformed chunk: {payload[:100].decode('utf-8', 'replace')!r}"
+                        return
+                    num_chunks += 1
+                    if "error" in chunk:
+                        record.error = f"server error in stream: {json.dumps(chunk['error'])[:200]}"
+                        return
+                    tokens, text = counter.count(chunk)
+                    record.text += text
+                    if tokens > 0:
+                        record.chunk_ns.append(now_ns)
+                        record.chunk_tokens.append(tokens)
+                    usage = chunk.get("usage")
+                    if isinstance(usage, dict):
+                        record.output_tokens = usage.get("completion_tokens", record.output_tokens)
+                        record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
+        except TimeoutError:
+            if timer.when() is not None and timer.when() < request_end:
+                record.error = f"stall: no chunk for {self.stall_timeout_s:g} s after {num_chunks} chunks"
+            else:
+                record.error = f"timeout: no end after {self.request_timeout_s:g} s (request_timeout_s)"
+        except aiohttp.ClientConnectorError as e:
+            record.error = f"connection failed: {e}"
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionResetError) as e:
+            record.error = f"stream ended early after {num_chunks} chunks ({type(e).__name__}: {e})"
+        except ValueError as e:  # aiohttp: a line longer than its buffer
+            record.error = f"malformed chunk: {e}"
+        finally:
+            record.token_source = counter.source
+
+
+def _sse_data(line: bytes) -> bytes | None:
+    """The payload of a `data:` line; None for blank, comment and other SSE field lines."""
+    line = line.strip()
+    if not line.startswith(b"data:"):
+        return None
+    return line[5:].strip()
+
+
+class _TokenCounter:
+    """Tokens carried by each chunk of one stream (see the module docstring for the order of sources)."""
+
+    def __init__(self) -> None:
+        self.source = ""  # the source used so far; "text" once any chunk had to be guessed
+        self.counted = 0
+
+    def count(self, chunk: dict) -> tuple[int, str]:
+        choices = chunk.get("choices")
+        if not choices or not isinstance(choices[0], dict):
+            return 0, ""  # usage-only chunk: a total, not new tokens
+        choice = choices[0]
+        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+        text = choice.get("text") or delta.get("content") or delta.get("reasoning_content") or ""
+        text = text if isinstance(text, str) else ""
+        source, cumulative = _cumulative_tokens(chunk)
+        if cumulative is not None and self.source in ("", source):
+            tokens = max(0, cumulative - self.counted)
+        elif isinstance(choice.get("token_ids"), list) and self.source in ("", "token_ids"):
+            source, tokens = "token_ids", len(choice["token_ids"])
+        else:
+            source, tokens = "text", 1 if text else 0
+        if tokens or source != "text":
+            self.source = source
+        self.counted += tokens
+        return tokens, text
+
+
+def _cumulative_tokens(chunk: dict) -> tuple[str, int | None]:
+    usage = chunk.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        return "usage", usage["completion_tokens"]
+    timings = chunk.get("timings")
+    if isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
+        return "timings", timings["predicted_n"]
+    return "", None
