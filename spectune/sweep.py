@@ -181,7 +181,8 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log) -> dict:
     row: dict = _cell_header(plan, cell, digest)
     records: list = []
     common = dict(temperature=plan.temperature, seed=plan.seed, ignore_eos=plan.ignore_eos, api_key=_api_key(cell.server),
-                  request_timeout_s=plan.request_timeout_s, stall_timeout_s=plan.stall_timeout_s)
+                  request_timeout_s=plan.request_timeout_s, stall_timeout_s=plan.stall_timeout_s,
+                  extra_body=server.extra_body or None)
     warmup = plan.warmup_per_slot * cell.batch_size
     sampler = MemorySampler(server.pid())
     interrupted = False

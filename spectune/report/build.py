@@ -65,6 +65,8 @@ def _plots(per_cell: pd.DataFrame, speedups: pd.DataFrame) -> dict[str, bytes]:
     import matplotlib.pyplot as plt
 
     plots: dict[str, bytes] = {}
+    if per_cell.empty:
+        return plots
     for metric, label in (("output_throughput_tps", "output throughput (tok/s)"), ("tpot_ms_mean", "mean TPOT (ms)")):
         if metric not in per_cell:
             continue

@@ -57,6 +57,7 @@ class Server(Protocol):
     spec: ServerSpec
     base_url: str  # e.g. http://127.0.0.1:8000
     model_name: str  # the name to put in request bodies
+    extra_body: dict  # engine-specific request fields (e.g. llama-server's timings_per_token)
 
     def start(self) -> None: ...  # launch (or attach) and block until ready; SpectuneError if it never is
     def reset_cache(self) -> None: ...  # drop prefix caches so repeated prompts are not free

@@ -32,6 +32,8 @@ class LaunchedServer:
     engine = "server"  # the engine's name in messages
     health_path = "/health"  # answers 200 once the model is loaded (no API key needed)
 
+    extra_body: dict = {}  # fields every request body to this engine needs (read-only)
+
     def __init__(self, spec: ServerSpec, log_dir: Path):
         self.spec = spec
         self.log_dir = Path(log_dir)

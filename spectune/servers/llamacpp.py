@@ -49,6 +49,9 @@ def gguf_for(model: str) -> Path:
 class LlamaCppServer(LaunchedServer):
     engine = "llama.cpp"
 
+    # per-chunk cumulative token counts: llama-server holds back chunks with partial UTF-8, so counting text undercounts
+    extra_body = {"timings_per_token": True}
+
     def __init__(self, spec: ServerSpec, log_dir: Path, max_batch_size: int | None = None):
         super().__init__(spec, log_dir)
         self.slots = max_batch_size or 1

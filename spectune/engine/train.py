@@ -1,0 +1,493 @@
+"""Train the shipped tokenizer, target and draft on the Python standard library's own sources.
+
+    python -m spectune.engine.train --out spectune/engine/assets [--steps N] [--seed S]
+
+Everything is local and deterministic from the seed (same Python stdlib, torch version and thread
+count give identical bytes): a byte-level BPE tokenizer (GPT-2 pre-tokenizer regex), a 4-layer Llama
+target trained on next-token loss, and a 1-layer Llama draft that shares the target's frozen embeddings
+and learns its layer by distillation (KL to the target's logits). The script measures the draft's greedy
+agreement with the target per workload and writes it, with the losses and timings, to <out>/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+EOS = "<|endoftext|>"
+EOS_ID = 0  # the only special token, trained first
+# Test suites, codec tables and pydoc's topic dump are large and unlike ordinary code.
+SKIPPED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "encodings", "pydoc_data"})
+HELD_OUT_EVERY = 10  # every 10th file (sorted order) is held out for evaluation
+NOISE_LEVELS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5)
+
+
+@dataclass(slots=True, frozen=True)
+class TrainConfig:
+    seed: int = 0
+    steps: int = 1000  # target optimizer steps
+    draft_steps: int = 500  # draft distillation steps
+    batch_size: int = 8  # small batches, many steps: this far from convergence, steps buy more than tokens
+    seq_len: int = 256
+    vocab_size: int = 2048
+    lr: float = 3e-3
+    draft_lr: float = 3e-3
+    warmup_steps: int = 50
+    # Share of each batch that is a span followed by copies of itself: it teaches the target to copy
+    # its context (induction), which a few hundred steps of plain code alone do not.
+    repeat_fraction: float = 0.25
+    corpus_mb: float | None = None  # cap on the corpus size, for quick runs
+    eval_prompts: int = 16
+    eval_new_tokens: int = 64
+    threads: int = 2
+
+
+@dataclass(slots=True, frozen=True)
+class Agreement:
+    """Share of the target's greedy tokens that the draft's greedy choice matches, per workload."""
+
+    code: float
+    quote: float
+    random: float
+
+
+# --- corpus and tokenizer ---------------------------------------------------------------------
+
+
+def corpus_files(corpus_mb: float | None = None) -> list[Path]:
+    """The stdlib's .py files in sorted order, optionally only the first `corpus_mb` megabytes."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if not SKIPPED_DIRS & set(p.relative_to(root).parts))
+    if corpus_mb is None:
+        return files
+    kept, size = [], 0
+    for path in files:
+        if size >= corpus_mb * 1e6:
+            break
+        kept.append(path)
+        size += path.stat().st_size
+    return kept
+
+
+def read_texts(files: list[Path]) -> list[str]:
+    return [p.read_text(encoding="utf-8", errors="replace") for p in files]
+
+
+def split_corpus(files: list[Path]) -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files): every HELD_OUT_EVERY-th file is held out."""
+    return ([p for i, p in enumerate(files) if i % HELD_OUT_EVERY != 0],
+            [p for i, p in enumerate(files) if i % HELD_OUT_EVERY == 0])
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE with GPT-2's pre-tokenizer regex, so llama.cpp can run it as "gpt-2"."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def encode_stream(tokenizer: Tokenizer, texts: list[str]) -> torch.Tensor:
+    """All texts as one token stream, each followed by the end-of-text token."""
+    ids: list[int] = []
+    for encoding in tokenizer.encode_batch(texts):
+        ids.extend(encoding.ids)
+        ids.append(EOS_ID)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def write_tokenizer_files(tokenizer: Tokenizer, out: Path, max_length: int) -> None:
+    """tokenizer.json plus the two small files transformers' AutoTokenizer (and so vLLM) reads."""
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": EOS,
+        "eos_token": EOS,
+        "model_max_length": max_length,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,  # the default would rewrite " ." etc. and break code
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps({"bos_token": EOS, "eos_token": EOS}, indent=2) + "\n")
+
+
+# --- models -----------------------------------------------------------------------------------
+
+
+def llama_config(vocab_size: int, num_layers: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=384,
+        intermediate_size=768,
+        num_hidden_layers=num_layers,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=EOS_ID,
+        eos_token_id=EOS_ID,
+    )
+
+
+def sample_batch(stream: torch.Tensor, cfg: TrainConfig, gen: torch.Generator) -> torch.Tensor:
+    """[batch, seq_len + 1] windows of the stream; the last rows are a span tiled to fill the row."""
+    width = cfg.seq_len + 1
+    starts = torch.randint(0, len(stream) - width, (cfg.batch_size,), generator=gen)
+    rows = [stream[s : s + width] for s in starts.tolist()]
+    num_repeats = round(cfg.batch_size * cfg.repeat_fraction)
+    span_lengths = torch.randint(16, cfg.seq_len // 2 + 1, (num_repeats,), generator=gen).tolist()
+    for i, span in enumerate(span_lengths):
+        row = cfg.batch_size - num_repeats + i
+        rows[row] = rows[row][:span].repeat(math.ceil(width / span))[:width]
+    return torch.stack(rows)
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def run_steps(name: str, model: torch.nn.Module, loss_fn, stream: torch.Tensor, cfg: TrainConfig,
+              steps: int, peak_lr: float, seed: int) -> tuple[list[float], float]:
+    """The shared optimisation loop; returns the loss of every step and the mean seconds per step."""
+    gen = torch.Generator().manual_seed(seed)
+    optimizer = make_optimizer(model, peak_lr)
+    losses: list[float] = []
+    started = time.perf_counter()
+    model.train()
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, steps, peak_lr, cfg.warmup_steps)
+        loss = loss_fn(sample_batch(stream, cfg, gen))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        if step % 20 == 0 or step == steps - 1:
+            per_step = (time.perf_counter() - started) / (step + 1)
+            recent = sum(losses[-20:]) / len(losses[-20:])
+            print(f"{name} step {step + 1}/{steps} loss {recent:.3f} {per_step:.2f}s/step "
+                  f"eta {per_step * (steps - step - 1):.0f}s", flush=True)
+    model.eval()
+    return losses, (time.perf_counter() - started) / max(1, steps)
+
+
+def train_target(stream: torch.Tensor, cfg: TrainConfig) -> tuple[LlamaForCausalLM, list[float], float]:
+    torch.manual_seed(cfg.seed)
+    model = LlamaForCausalLM(llama_config(cfg.vocab_size, num_layers=4))
+
+    def loss_fn(batch: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=batch[:, :-1]).logits  # [B, T, V]
+        return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+    losses, per_step = run_steps("target", model, loss_fn, stream, cfg, cfg.steps, cfg.lr, cfg.seed)
+    return round_to_fp16(model), losses, per_step
+
+
+def train_draft(target: LlamaForCausalLM, stream: torch.Tensor, cfg: TrainConfig) -> tuple[LlamaForCausalLM, list[float], float]:
+    """One layer, warm-started from the target's first layer, embeddings (= tied LM head) frozen."""
+    torch.manual_seed(cfg.seed + 1)
+    draft = LlamaForCausalLM(llama_config(cfg.vocab_size, num_layers=1))
+    draft.model.embed_tokens.load_state_dict(target.model.embed_tokens.state_dict())
+    draft.model.layers[0].load_state_dict(target.model.layers[0].state_dict())
+    draft.model.norm.load_state_dict(target.model.norm.state_dict())
+    draft.model.embed_tokens.requires_grad_(False)
+
+    def loss_fn(batch: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target_logp = F.log_softmax(target(input_ids=batch[:, :-1]).logits, dim=-1)  # [B, T, V]
+        draft_logp = F.log_softmax(draft(input_ids=batch[:, :-1]).logits, dim=-1)
+        # KL(target || draft) per token, temperature 1
+        return F.kl_div(draft_logp.flatten(0, 1), target_logp.flatten(0, 1), log_target=True, reduction="batchmean")
+
+    losses, per_step = run_steps("draft", draft, loss_fn, stream, cfg, cfg.draft_steps, cfg.draft_lr, cfg.seed + 1)
+    return round_to_fp16(draft), losses, per_step
+
+
+def round_to_fp16(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Evaluate (and distil from) exactly the weights that are shipped in fp16."""
+    return model.to(torch.float16).to(torch.float32).eval()
+
+
+def save_model(model: LlamaForCausalLM, tokenizer: Tokenizer, out: Path) -> None:
+    out.mkdir(parents=True)
+    model.to(torch.float16).save_pretrained(out, safe_serialization=True)
+    model.to(torch.float32)
+    write_tokenizer_files(tokenizer, out, model.config.max_position_embeddings)
+
+
+# --- evaluation -------------------------------------------------------------------------------
+
+
+def eval_prompts(held_out: torch.Tensor, cfg: TrainConfig, seed: int) -> dict[str, torch.Tensor]:
+    """[N, 64] prompts per workload: held-out code; a code span then its first 8 tokens again (the
+    continuation is a quote of the span); uniformly random non-special tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    n, length = cfg.eval_prompts, 64
+    starts = torch.linspace(0, len(held_out) - 2 * length - 1, n).long().tolist()
+    code = torch.stack([held_out[s : s + length] for s in starts])
+    spans = torch.stack([held_out[s + length : s + 2 * length - 8] for s in starts])  # [N, 56]
+    quote = torch.cat([spans, spans[:, :8]], dim=1)
+    random = torch.randint(1, cfg.vocab_size, (n, length), generator=gen)
+    return {"code": code, "quote": quote, "random": random}
+
+
+@torch.no_grad()
+def greedy_generate(model: LlamaForCausalLM, prompts: torch.Tensor, num_new: int) -> torch.Tensor:
+    """[N, num_new] greedy continuation (ignores end-of-text, like a benchmark with ignore_eos)."""
+    out = model(input_ids=prompts, use_cache=True)
+    tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]  # each [N, 1]
+    for _ in range(num_new - 1):
+        out = model(input_ids=tokens[-1], cache=out.cache, use_cache=True)
+        tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+    return torch.cat(tokens, dim=1)
+
+
+@torch.no_grad()
+def greedy_paths(target: LlamaForCausalLM, prompts: dict[str, torch.Tensor], num_new: int) -> dict[str, torch.Tensor]:
+    """Per workload, [N, P + num_new]: each prompt followed by the target's greedy continuation."""
+    return {name: torch.cat([p, greedy_generate(target, p, num_new)], dim=1) for name, p in prompts.items()}
+
+
+@torch.no_grad()
+def greedy_agreement(model: LlamaForCausalLM, path: torch.Tensor, num_new: int) -> float:
+    """Token-level acceptance proxy: along the target's greedy path, how often `model`'s greedy token
+    equals the target's (what greedy speculative decoding accepts, position by position)."""
+    logits = model(input_ids=path[:, :-1]).logits[:, -num_new:]  # [N, G, V]
+    return (logits.argmax(-1) == path[:, -num_new:]).float().mean().item()
+
+
+def agreement(model: LlamaForCausalLM, paths: dict[str, torch.Tensor], num_new: int) -> Agreement:
+    return Agreement(**{name: greedy_agreement(model, path, num_new) for name, path in paths.items()})
+
+
+@torch.no_grad()
+def copy_accuracy(model: LlamaForCausalLM, quote_prompts: torch.Tensor) -> float:
+    """How much of the quoted span (after its first 8 tokens) the model reproduces greedily."""
+    expected = quote_prompts[:, 8:-8]  # the span's tokens after the 8 repeated ones
+    generated = greedy_generate(model, quote_prompts, expected.shape[1])
+    return (generated == expected).float().mean().item()
+
+
+@torch.no_grad()
+def held_out_loss(model: LlamaForCausalLM, held_out: torch.Tensor, seq_len: int, windows: int = 16) -> float:
+    starts = torch.linspace(0, len(held_out) - seq_len - 2, windows).long().tolist()
+    batch = torch.stack([held_out[s : s + seq_len + 1] for s in starts])
+    logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+
+
+# --- the whole run ----------------------------------------------------------------------------
+
+
+def train(out: Path, cfg: TrainConfig, command: str) -> None:
+    """Build tokenizer, target and draft into `out` (replaced as a whole when done)."""
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(cfg.threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        _build(out, cfg, command)
+    finally:  # leave a calling process (a test) as it was
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _build(out: Path, cfg: TrainConfig, command: str) -> None:
+    from spectune.engine.shipped import perturbed
+
+    started = time.perf_counter()
+    train_files, eval_files = split_corpus(corpus_files(cfg.corpus_mb))
+    train_texts = read_texts(train_files)
+    tokenizer = train_tokenizer(train_texts, cfg.vocab_size)
+    stream = encode_stream(tokenizer, train_texts)
+    held_out = encode_stream(tokenizer, read_texts(eval_files))
+    print(f"corpus: {len(train_files)} train files ({len(stream)} tokens), {len(eval_files)} held out "
+          f"({len(held_out)} tokens), tokenizer {time.perf_counter() - started:.0f}s", flush=True)
+
+    target, target_losses, target_step_s = train_target(stream, cfg)
+    draft, draft_losses, draft_step_s = train_draft(target, stream, cfg)
+
+    prompts = eval_prompts(held_out, cfg, cfg.seed)
+    paths = greedy_paths(target, prompts, cfg.eval_new_tokens)
+    torch.manual_seed(cfg.seed + 2)
+    untrained = LlamaForCausalLM(llama_config(cfg.vocab_size, num_layers=1)).eval()
+    figures = {
+        "draft": agreement(draft, paths, cfg.eval_new_tokens),
+        "untrained 1-layer": agreement(untrained, paths, cfg.eval_new_tokens),
+    }
+    shipped_weights = {k: v.half() for k, v in target.state_dict().items() if k != "lm_head.weight"}  # tied
+    for noise in NOISE_LEVELS:
+        noisy = LlamaForCausalLM(target.config).eval()
+        noisy.load_state_dict(perturbed(shipped_weights, noise, cfg.seed), strict=False)
+        noisy.tie_weights()
+        figures[f"noisy target {noise:g}"] = agreement(noisy, paths, cfg.eval_new_tokens)
+    sample_ids = greedy_generate(target, prompts["code"][:1], 48)[0].tolist()
+    report = RunReport(
+        command=command, cfg=cfg, wall_s=time.perf_counter() - started,
+        target_step_s=target_step_s, draft_step_s=draft_step_s,
+        target_loss=sum(target_losses[-20:]) / len(target_losses[-20:]),
+        draft_kl=sum(draft_losses[-20:]) / len(draft_losses[-20:]),
+        target_held_out=held_out_loss(target, held_out, cfg.seq_len),
+        draft_held_out=held_out_loss(draft, held_out, cfg.seq_len),
+        copy=copy_accuracy(target, prompts["quote"]),
+        figures=figures,
+        prompt_text=tokenizer.decode(prompts["code"][0].tolist()),
+        sample_text=tokenizer.decode(sample_ids),
+    )
+    print(write_assets(out, target, draft, tokenizer, report), flush=True)
+
+
+@dataclass(slots=True)
+class RunReport:
+    command: str
+    cfg: TrainConfig
+    wall_s: float
+    target_step_s: float
+    draft_step_s: float
+    target_loss: float
+    draft_kl: float
+    target_held_out: float
+    draft_held_out: float
+    copy: float
+    figures: dict[str, Agreement]
+    prompt_text: str
+    sample_text: str
+
+    def markdown(self, size_bytes: int) -> str:
+        rows = "\n".join(f"| {name} | {a.code:.3f} | {a.quote:.3f} | {a.random:.3f} |" for name, a in self.figures.items())
+        return f"""# spectune's shipped models
+
+Made by `spectune/engine/train.py` (no hub, no downloads); this file is written by that script.
+
+- `target/`: LlamaForCausalLM, 4 layers, hidden 384, intermediate 768, 6 heads / 2 KV heads,
+  vocab {self.cfg.vocab_size}, tied embeddings, fp16 safetensors.
+- `draft/`: the same shape with 1 layer; embeddings (= tied LM head) copied from the target and frozen,
+  the layer warm-started from the target's first layer and trained by distillation (KL to the target).
+- Tokenizer (both dirs, identical): byte-level BPE trained on the Python {sys.version.split()[0]} standard
+  library's sources, GPT-2 pre-tokenizer regex, one special token `{EOS}` (id {EOS_ID}, bos = eos).
+- Corpus: the stdlib's `.py` files in sorted order, minus {", ".join(sorted(SKIPPED_DIRS))}; every
+  {HELD_OUT_EVERY}th file held out for evaluation. A share of {self.cfg.repeat_fraction:g} of each training
+  batch is a span tiled to fill the row, so the target learns to copy its context.
+- Size: {size_bytes / 1e6:.1f} MB for both dirs together.
+
+## Reproduce
+
+```
+{self.command}
+```
+
+seed {self.cfg.seed}, target steps {self.cfg.steps}, draft steps {self.cfg.draft_steps}, batch
+{self.cfg.batch_size} x {self.cfg.seq_len} tokens, AdamW (peak lr {self.cfg.lr}, cosine), torch
+{torch.__version__}, {self.cfg.threads} threads. Wall time {self.wall_s:.0f} s in all
+({self.target_step_s:.2f} s per target step, {self.draft_step_s:.2f} s per draft step, on a 2-core machine
+shared with other work). Bit-identical output needs the same Python stdlib, torch version and thread count.
+
+## Measured
+
+| figure | value |
+|---|---|
+| target train loss (mean of last 20 steps) | {self.target_loss:.3f} |
+| target held-out loss | {self.target_held_out:.3f} |
+| draft train KL to target (mean of last 20 steps) | {self.draft_kl:.3f} |
+| draft held-out loss | {self.draft_held_out:.3f} |
+| target copies a quoted held-out span (greedy, token accuracy) | {self.copy:.3f} |
+
+Greedy agreement with the target (share of the target's greedy tokens that the model's greedy choice
+matches along the target's path; {self.cfg.eval_prompts} prompts x {self.cfg.eval_new_tokens} new tokens
+per workload): code = held-out stdlib code; quote = a held-out span then its first 8 tokens again;
+random = uniformly random tokens. "noisy target x" = the target with Gaussian noise of x times each
+tensor's std added (`shipped.noisy_draft_path(x)`).
+
+| model | code | quote | random |
+|---|---|---|---|
+{rows}
+
+Greedy sample from the target (prompt, then continuation):
+
+```
+{self.prompt_text}
+```
+```
+{self.sample_text}
+```
+"""
+
+
+def write_assets(out: Path, target: LlamaForCausalLM, draft: LlamaForCausalLM, tokenizer: Tokenizer,
+                 report: RunReport) -> str:
+    """Write into a temporary sibling, then swap it in, so readers never see half an asset set.
+    Returns the README's text."""
+    staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    save_model(target, tokenizer, staging / "target")
+    save_model(draft, tokenizer, staging / "draft")
+    readme = report.markdown(sum(p.stat().st_size for p in staging.rglob("*") if p.is_file()))
+    (staging / "README.md").write_text(readme)
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.exists():
+        out.rename(old)
+    staging.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+    return readme
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    defaults = TrainConfig()
+    parser = argparse.ArgumentParser(prog="python -m spectune.engine.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="asset directory to (re)write")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="target training steps")
+    parser.add_argument("--draft-steps", type=int, default=None, help="draft distillation steps (default: steps / 2)")
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--corpus-mb", type=float, default=None, help="use only the first N MB of the corpus")
+    parser.add_argument("--threads", type=int, default=defaults.threads)
+    args = parser.parse_args(argv)
+    cfg = TrainConfig(
+        seed=args.seed, steps=args.steps,
+        draft_steps=args.steps // 2 if args.draft_steps is None else args.draft_steps,
+        batch_size=args.batch_size, corpus_mb=args.corpus_mb, threads=args.threads,
+    )
+    train(args.out, cfg, " ".join(["python -m spectune.engine.train", *argv]))
+
+
+if __name__ == "__main__":
+    main()
