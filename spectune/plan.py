@@ -26,6 +26,7 @@ class Plan:
 
     name: str = "sweep"
     workload: str = "code"  # shipped name (code, quote, random, phase) or a JSONL/ShareGPT file
+    schedule: str = "closed"  # closed: batch size = requests in flight; trace: replay the workload's arrival_s, batch size caps it
     batch_sizes: tuple[int, ...] = (1, 4, 16)
     repeats: int = 2
     max_tokens: int = 64
@@ -116,6 +117,8 @@ def _check_types(fields: dict, source: str) -> None:
             raise SpectuneError(f"{source}: batch_sizes = {bs!r}: must be a non-empty list of integers >= 1, e.g. [1, 4, 16]")
         if list(bs) != sorted(set(bs)):
             raise SpectuneError(f"{source}: batch_sizes = {list(bs)!r}: must be ascending without repeats")
+    if "schedule" in fields and fields["schedule"] not in ("closed", "trace"):
+        raise SpectuneError(f"{source}: schedule = {fields['schedule']!r}: use \"closed\" (fixed concurrency) or \"trace\" (the workload's arrival_s)")
     for key in ("name", "workload"):
         if key in fields and (not isinstance(fields[key], str) or not fields[key]):
             raise SpectuneError(f"{source}: {key} must be a non-empty string")

@@ -48,10 +48,10 @@ def plan_cells(plan: Plan) -> list[Cell]:
 
 def traffic_for(plan: Plan, batch_size: int):
     """The exact requests and schedule every server gets at this batch size (a pure function of the plan)."""
-    from spectune.workload import ClosedLoop, load_requests, traffic_digest
+    from spectune.workload import ClosedLoop, Trace, load_requests, traffic_digest
 
     requests = load_requests(plan.workload, num_prompts=plan.num_prompts(batch_size), max_tokens=plan.max_tokens, seed=plan.seed)
-    schedule = ClosedLoop(concurrency=batch_size)
+    schedule = ClosedLoop(concurrency=batch_size) if plan.schedule == "closed" else Trace(max_concurrency=batch_size)
     digest = traffic_digest(requests, schedule, _sampling(plan))
     return requests, schedule, digest
 

