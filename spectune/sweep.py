@@ -133,9 +133,15 @@ def _preflight(plan: Plan) -> None:
     for spec in plan.servers:
         if spec.url is None and spec.port is not None:
             check_port_free(spec.host, spec.port)
+    from spectune.emit import validate_sglang_config
+    from spectune.servers.sglang import speculative_args
     from spectune.tokenizer_check import check_tokenizers
 
     for spec in plan.servers:
+        if spec.adaptive_config:
+            validate_sglang_config(spec.adaptive_config)
+        if spec.engine == "sglang" and spec.is_speculative:
+            speculative_args(spec)  # inconsistent SGLang flags (e.g. adaptive with topk > 1) fail here, not at launch
         check_tokenizers(spec)
 
 
