@@ -405,6 +405,10 @@ def write_configs(tuned: AdaptiveConfig, policies: dict, method: str | None, man
     notes = []
     spec = _server_spec(manifest, method)
     draft_model = options.draft_model or spec.get("draft_model")
+    if not draft_model and method == "draft_model" and spec.get("engine", "embedded") == "embedded":
+        from spectune.engine.shipped import draft_path  # the embedded engine's default draft
+
+        draft_model = str(draft_path())
     missing_model = "not written: pass --draft-model PATH (the sweep plan names no draft model)"
     optima = policies["best_per_batch_schedule"]["best_steps_by_batch_size"]
     if method not in VLLM_METHODS:
