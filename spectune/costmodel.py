@@ -8,8 +8,16 @@ fit writes it as
     t_round(bs, g) = target_ms(bs) + draft_fixed_ms(bs) + per_step_ms(bs) * g      (g >= 1)
 
 where per_step_ms is the marginal cost of one more draft position: drafting it (~0 for parallel drafters
-such as DFlash / P-EAGLE) plus verifying it. A measured speculative cell gives one point,
-t_round = TPOT x acceptance_length (time per token x tokens per round).
+such as DFlash / P-EAGLE) plus verifying it. A measured speculative cell gives one point, t_round = the
+smaller of TPOT x acceptance_length and the mean inter-chunk latency (ICL). Both are per request-round
+when every request of a round drafts and streams one chunk. A proposer that offers nothing for some
+requests (n-gram without a match) breaks the first: engines count acceptance_length over drafting
+requests only, so it overstates tokens per round (by ~20% for n-gram here); an engine that coalesces
+rounds into one chunk breaks the second. Each error only inflates, so the smaller is the better.
+
+Acceptance is fitted over every request-round, the same unit the simulator's traces use: a request
+whose proposer offered nothing counts as rejecting draft 1. The share of request-rounds that drafted
+is (tokens per round - 1) / (acceptance_length - 1), with tokens per round = t_round / TPOT.
 """
 
 from __future__ import annotations
@@ -209,7 +217,7 @@ def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame) -> pd.DataFrame:
             continue  # no target-only TPOT at this batch size: nothing to anchor g = 0
         t1, t1_sd = float(base.mean()), float(base.std(ddof=1)) if len(base) > 1 else math.nan
         g = points["num_speculative_tokens"].to_numpy(float)
-        t = (points["tpot_ms_mean"] * points["acceptance_length"]).to_numpy(float)
+        t = measured_round_ms(points).to_numpy(float)
         if len(np.unique(g)) >= 2:
             intercept, slope, se_i, se_s, rmse = _line_fit(g, t)
             fixed, fixed_se = intercept - t1, math.hypot(se_i, t1_sd / math.sqrt(len(base)) if len(base) > 1 else 0.0)
@@ -235,6 +243,21 @@ def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values("batch_size", ignore_index=True)
 
 
+def measured_round_ms(cells: pd.DataFrame) -> pd.Series:
+    """ms per verify round of each speculative cell: min(TPOT x acceptance_length, ICL) (module docstring)."""
+    t = cells["tpot_ms_mean"] * cells["acceptance_length"]
+    if "icl_ms_mean" in cells:
+        t = np.fmin(t, cells["icl_ms_mean"])  # fmin: a missing ICL leaves TPOT x acceptance_length
+    return t
+
+
+def drafted_share(cells: pd.DataFrame) -> pd.Series:
+    """Share of request-rounds in which the proposer offered drafts (1 where it cannot be told apart)."""
+    tokens_per_round = measured_round_ms(cells) / cells["tpot_ms_mean"]
+    share = (tokens_per_round - 1.0) / (cells["acceptance_length"] - 1.0)
+    return share.where(cells["acceptance_length"] > 1.0).fillna(1.0).clip(0.0, 1.0)  # unknown: assume all drafted
+
+
 def _line_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float, float, float]:
     """Least squares y = a + b x -> (a, b, se(a), se(b), residual RMS); standard errors from the residuals."""
     X = np.column_stack([np.ones_like(x), x])  # [n, 2]
@@ -251,11 +274,14 @@ def _line_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float, float,
 
 def _fit_acceptance(spec: pd.DataFrame) -> AcceptanceProfile:
     """Pool per-position survival S_i = P(draft i accepted) over cells with g >= i (it does not depend on g
-    for chain drafting, nor on batch size for lossless verification), then a_i = S_i / S_{i-1}."""
+    for chain drafting, nor on batch size for lossless verification), then a_i = S_i / S_{i-1}. Engines
+    count accept_pos_i over drafting requests; times the drafted share it is over every request-round."""
     pos_cols = sorted((int(m.group(1)), c) for c in spec.columns if (m := _POS_COLUMN.match(c)))
+    share = drafted_share(spec)
     survival = []
     for i, col in pos_cols:
-        values = spec.loc[spec["num_speculative_tokens"] >= i, col].dropna()
+        rows = spec["num_speculative_tokens"] >= i
+        values = (spec.loc[rows, col] * share[rows]).dropna()
         if values.empty:
             break
         survival.append(float(values.mean()))
@@ -264,9 +290,10 @@ def _fit_acceptance(spec: pd.DataFrame) -> AcceptanceProfile:
         prev = np.concatenate([[1.0], s[:-1]])
         rates = np.divide(s, prev, out=np.zeros_like(s), where=prev > 0)
         return AcceptanceProfile(tuple(float(r) for r in np.clip(rates, 0.0, 1.0)), "per_position")
+    measured = spec.dropna(subset=["acceptance_length"])
     alphas = [
-        _constant_alpha(row.acceptance_length - 1.0, int(row.num_speculative_tokens))
-        for row in spec.dropna(subset=["acceptance_length"]).itertuples()
+        _constant_alpha((length - 1.0) * s, int(g))
+        for length, s, g in zip(measured["acceptance_length"], share[measured.index], measured["num_speculative_tokens"])
     ]
     if not alphas:
         raise SpectuneError("cells: speculative cells carry neither accept_pos_* nor acceptance_length; re-run the sweep with a server that reports acceptance")

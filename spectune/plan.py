@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 from spectune.errors import SpectuneError
 from spectune.servers.base import ServerSpec
 
+_NAME = re.compile(r"[A-Za-z0-9._-]+")
 ENGINES = ("embedded", "vllm", "sglang", "llamacpp", "openai")
 METHODS = ("draft_model", "ngram", "eagle", "eagle3", "mtp", "suffix", "dflash", "dspark", "standalone", "nextn")
 
@@ -119,9 +121,10 @@ def _check_types(fields: dict, source: str) -> None:
             raise SpectuneError(f"{source}: batch_sizes = {list(bs)!r}: must be ascending without repeats")
     if "schedule" in fields and fields["schedule"] not in ("closed", "trace"):
         raise SpectuneError(f"{source}: schedule = {fields['schedule']!r}: use \"closed\" (fixed concurrency) or \"trace\" (the workload's arrival_s)")
-    for key in ("name", "workload"):
-        if key in fields and (not isinstance(fields[key], str) or not fields[key]):
-            raise SpectuneError(f"{source}: {key} must be a non-empty string")
+    if "workload" in fields and (not isinstance(fields["workload"], str) or not fields["workload"]):
+        raise SpectuneError(f"{source}: workload must be a non-empty string: a shipped name or a file path")
+    if "name" in fields and (not isinstance(fields["name"], str) or not _NAME.fullmatch(fields["name"])):
+        raise SpectuneError(f"{source}: name = {fields['name']!r}: letters, digits, '.', '_' and '-' only (it names the results directory)")
 
 
 def _expand_server(raw: object, where: str) -> list[ServerSpec]:
@@ -130,8 +133,8 @@ def _expand_server(raw: object, where: str) -> list[ServerSpec]:
     unknown = set(raw) - _SERVER_KEYS
     if unknown:
         raise SpectuneError(f"{where}: unknown key(s) {sorted(unknown)}; valid keys: {sorted(_SERVER_KEYS)}")
-    if not isinstance(raw.get("name"), str) or not raw["name"]:
-        raise SpectuneError(f"{where}: `name` is required (a short label like \"target\" or \"draft\")")
+    if not isinstance(raw.get("name"), str) or not _NAME.fullmatch(raw["name"]):
+        raise SpectuneError(f"{where}.name = {raw.get('name')!r}: required; letters, digits, '.', '_' and '-' only (it names files)")
     engine = raw.get("engine", "embedded")
     if engine not in ENGINES:
         raise SpectuneError(f"{where}.engine = {engine!r}: unknown engine; use one of {list(ENGINES)}")

@@ -227,7 +227,13 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log) -> dict:
         row["status"] = "failed"
         row["error"] = f"server exited during the cell; last log lines: {server.log_tail()}"
     row["finished_at"] = _now()
-    store.write_cell(row, request_frame(measured) if measured else None)
+    frame = None
+    if measured:
+        frame = request_frame(measured)
+        prompts = {r.index: r.prompt if r.prompt is not None else "\n".join(f"{role}: {text}" for role, text in r.messages or ())
+                   for r in requests}
+        frame["prompt"] = frame["index"].map(prompts)
+    store.write_cell(row, frame)
     log(_cell_line(row))
     if interrupted:
         raise KeyboardInterrupt

@@ -37,6 +37,7 @@ class ReportData:
     per_cell: pd.DataFrame  # mean over repeats of each (server, batch size)
     speedups: pd.DataFrame
     flagged: pd.DataFrame  # failed/partial cells and cells over the failure-rate limit
+    samples: pd.DataFrame  # the first request of the smallest batch size: prompt and each server's output
     plots: dict[str, bytes]  # name -> PNG
 
 
@@ -48,14 +49,25 @@ def collect(results: Path) -> ReportData:
     limit = run.manifest.get("plan", {}).get("max_failure_rate", 0.05)
     if cells.empty:
         empty = pd.DataFrame()
-        return ReportData(str(run.manifest.get("run_id", results.name)), run.manifest, empty, empty, empty, {})
+        return ReportData(str(run.manifest.get("run_id", results.name)), run.manifest, empty, empty, empty, empty, {})
     ok = cells[(cells["status"] == "ok") & (cells["failure_rate"].fillna(0) <= limit)]
     flagged = cells[~cells.index.isin(ok.index)][["server", "batch_size", "repeat", "status", "failure_rate", "error"]]
     shown = [c for c in SHOWN if c in ok.columns]
     per_cell = ok.groupby(["server", "num_speculative_tokens", "batch_size"], dropna=False)[shown].mean().reset_index()
     speedups = speedup_table(ok) if not ok.empty else pd.DataFrame()
     return ReportData(str(run.manifest.get("run_id", results.name)), run.manifest, per_cell, speedups, flagged,
-                      _plots(per_cell, speedups))
+                      _samples(run.requests), _plots(per_cell, speedups))
+
+
+def _samples(requests: pd.DataFrame) -> pd.DataFrame:
+    """Prompt and output of one request on every server: greedy outputs should match (lossless)."""
+    if requests.empty or "prompt" not in requests:
+        return pd.DataFrame()
+    parts = requests["cell"].str.split("__", expand=True)
+    frame = requests.assign(server=parts[0], bs=parts[1].str[2:].astype(int))
+    first = frame[(frame["bs"] == frame["bs"].min()) & (frame["index"] == frame["index"].min())]
+    first = first.drop_duplicates("server")
+    return pd.DataFrame({"server": first["server"], "prompt": first["prompt"].str[:160], "output": first["text"].str[:160]})
 
 
 def _plots(per_cell: pd.DataFrame, speedups: pd.DataFrame) -> dict[str, bytes]:
@@ -128,7 +140,8 @@ def _md_table(frame: pd.DataFrame) -> str:
     cols = list(frame.columns)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in frame.itertuples(index=False):
-        lines.append("| " + " | ".join(_fmt(v).replace("|", "\\|").replace("\n", " ") for v in row) + " |")
+        # html.escape: Markdown viewers render raw HTML, and a prompt may hold <script>
+        lines.append("| " + " | ".join(html.escape(_fmt(v)).replace("|", "\\|").replace("\n", " ") for v in row) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -155,6 +168,8 @@ def render_markdown(data: ReportData) -> str:
     parts.append(_md_table(data.per_cell))
     parts.append("\n## Flagged cells (failed, interrupted, or too many failed requests; excluded above)\n")
     parts.append(_md_table(data.flagged))
+    parts.append("\n## Sample output (first request, smallest batch size; greedy outputs must match)\n")
+    parts.append(_md_table(data.samples))
     for name in data.plots:
         parts.append(f"\n![{name}]({name}.png)\n")
     parts.append("\n## What the metrics mean\n")
@@ -186,5 +201,6 @@ td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}figure{{display:i
 {imgs}
 <h2>Per cell (mean over repeats)</h2>{_html_table(data.per_cell)}
 <h2>Flagged cells (failed, interrupted, or too many failed requests; excluded above)</h2>{_html_table(data.flagged)}
+<h2>Sample output (first request, smallest batch size; greedy outputs must match)</h2>{_html_table(data.samples)}
 <h2>What the metrics mean</h2><ul>{defs}</ul></body></html>
 """
