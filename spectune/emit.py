@@ -11,8 +11,6 @@ vLLM 0.33.0 (vllm/config/speculative.py, vllm/v1/spec_decode/dynamic/utils.py), 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -312,15 +310,7 @@ def describe_config_file(path: str | Path, engine: str, sglang_version: str = "0
 
 
 def _write_atomic(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from spectune.store import atomic_write_bytes
+
+    atomic_write_bytes(path, text.encode())
     return path
