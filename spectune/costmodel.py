@@ -8,16 +8,23 @@ fit writes it as
     t_round(bs, g) = target_ms(bs) + draft_fixed_ms(bs) + per_step_ms(bs) * g      (g >= 1)
 
 where per_step_ms is the marginal cost of one more draft position: drafting it (~0 for parallel drafters
-such as DFlash / P-EAGLE) plus verifying it. A measured speculative cell gives one point, t_round = the
-smaller of TPOT x acceptance_length and the mean inter-chunk latency (ICL). Both are per request-round
-when every request of a round drafts and streams one chunk. A proposer that offers nothing for some
-requests (n-gram without a match) breaks the first: engines count acceptance_length over drafting
-requests only, so it overstates tokens per round (by ~20% for n-gram here); an engine that coalesces
-rounds into one chunk breaks the second. Each error only inflates, so the smaller is the better.
+such as DFlash / P-EAGLE) plus verifying it. A measured cell gives one point, t_round = ms per token x
+tokens per round:
 
-Acceptance is fitted over every request-round, the same unit the simulator's traces use: a request
-whose proposer offered nothing counts as rejecting draft 1. The share of request-rounds that drafted
-is (tokens per round - 1) / (acceptance_length - 1), with tokens per round = t_round / TPOT.
+- ms per token = 1000 x batch size / output tokens/s: what one sequence pays per token at the cell's
+  concurrency, its share of the prefills included. Not TPOT: in a closed loop with equal output lengths
+  the target-only requests finish together and the next ones prefill together, inside their TTFT, while
+  speculative requests drift apart and the prefills of the others land inside their TPOT (measured on the
+  embedded engine at batch 16: TPOT 8.5 ms target-only vs 10.2 ms n-gram, at 1290 vs 1385 tokens/s).
+- tokens per round = the smaller of acceptance_length and ICL / TPOT (mean inter-chunk latency over
+  time per token: one chunk per request and round). Engines count acceptance_length over the requests
+  that drafted, so a proposer that offers nothing for some (n-gram without a match) makes it overstate
+  tokens per round (by ~20% for n-gram here); an engine that coalesces rounds into one chunk makes the
+  ratio overstate them. Each error only inflates, so the smaller is the better.
+
+Acceptance is fitted over every request-round, the unit of the simulator's traces: a request whose
+proposer offered nothing counts as rejecting draft 1. The share of request-rounds that drafted is
+(tokens per round - 1) / (acceptance_length - 1).
 """
 
 from __future__ import annotations
@@ -210,19 +217,26 @@ def fit_sweep(
 
 def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame) -> pd.DataFrame:
     rows = []
-    spec = spec.dropna(subset=["tpot_ms_mean", "acceptance_length"])
+    spec = spec.dropna(subset=["output_throughput_tps", "tpot_ms_mean", "acceptance_length"])
     for bs, points in spec.groupby("batch_size"):
-        base = target.loc[target["batch_size"] == bs, "tpot_ms_mean"].dropna()
+        base = ms_per_token(target[target["batch_size"] == bs]).dropna()
         if base.empty:
             continue  # no target-only TPOT at this batch size: nothing to anchor g = 0
         t1, t1_sd = float(base.mean()), float(base.std(ddof=1)) if len(base) > 1 else math.nan
         g = points["num_speculative_tokens"].to_numpy(float)
-        t = measured_round_ms(points).to_numpy(float)
-        if len(np.unique(g)) >= 2:
-            intercept, slope, se_i, se_s, rmse = _line_fit(g, t)
+        t = (ms_per_token(points) * tokens_per_round(points)).to_numpy(float)
+        # A slope below 0 is noise (one more draft position cannot make a round cheaper); extrapolated to the
+        # step counts past the measured ones (the presets reach 7) it gives ever cheaper, even negative,
+        # rounds. Then the round cost is flat in g: the mean of the measured points.
+        if len(np.unique(g)) >= 2 and (line := _line_fit(g, t))[1] >= 0:
+            intercept, slope, se_i, se_s, rmse = line
             fixed, fixed_se = intercept - t1, math.hypot(se_i, t1_sd / math.sqrt(len(base)) if len(base) > 1 else 0.0)
+        elif len(np.unique(g)) >= 2:
+            fixed, fixed_se, slope, se_s = float(t.mean()) - t1, math.nan, 0.0, math.nan
+            rmse = float(np.sqrt(np.mean((t - t.mean()) ** 2)))
         else:  # one step count: no slope to fit, so assume no fixed draft cost
-            fixed, fixed_se, slope, se_s = 0.0, math.nan, float((t.mean() - t1) / g[0]), math.nan
+            slope = max(0.0, float((t.mean() - t1) / g[0]))
+            fixed, fixed_se, se_s = float(t.mean()) - t1 - slope * g[0], math.nan, math.nan
             rmse = float(np.sqrt(np.mean((t - t.mean()) ** 2)))
         rows.append(
             {
@@ -243,18 +257,22 @@ def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values("batch_size", ignore_index=True)
 
 
-def measured_round_ms(cells: pd.DataFrame) -> pd.Series:
-    """ms per verify round of each speculative cell: min(TPOT x acceptance_length, ICL) (module docstring)."""
-    t = cells["tpot_ms_mean"] * cells["acceptance_length"]
+def ms_per_token(cells: pd.DataFrame) -> pd.Series:
+    """1000 x batch size / output tokens/s per cell (module docstring)."""
+    return 1000.0 * cells["batch_size"] / cells["output_throughput_tps"]
+
+
+def tokens_per_round(cells: pd.DataFrame) -> pd.Series:
+    """Output tokens per request and verify round of speculative cells: min(acceptance_length, ICL / TPOT)."""
+    tokens = cells["acceptance_length"]
     if "icl_ms_mean" in cells:
-        t = np.fmin(t, cells["icl_ms_mean"])  # fmin: a missing ICL leaves TPOT x acceptance_length
-    return t
+        tokens = np.fmin(tokens, cells["icl_ms_mean"] / cells["tpot_ms_mean"])  # fmin: a missing ICL keeps the other
+    return tokens
 
 
 def drafted_share(cells: pd.DataFrame) -> pd.Series:
     """Share of request-rounds in which the proposer offered drafts (1 where it cannot be told apart)."""
-    tokens_per_round = measured_round_ms(cells) / cells["tpot_ms_mean"]
-    share = (tokens_per_round - 1.0) / (cells["acceptance_length"] - 1.0)
+    share = (tokens_per_round(cells) - 1.0) / (cells["acceptance_length"] - 1.0)
     return share.where(cells["acceptance_length"] > 1.0).fillna(1.0).clip(0.0, 1.0)  # unknown: assume all drafted
 
 
@@ -368,14 +386,16 @@ def breakeven_batch_size(rec: pd.DataFrame, workload: str) -> float | None:
 
 
 def prediction_vs_measurement(fit: CostFit, cells: pd.DataFrame) -> pd.DataFrame:
-    """Predicted vs measured TPOT and speedup for every usable static cell of the fitted engine + method
-    (in-sample: the fit used these cells)."""
+    """Predicted vs measured time per token and speedup for every usable static cell of the fitted engine +
+    method (in-sample: the fit used these cells). "tpot" here is what the fit models: ms per token at the
+    cell's concurrency, 1000 x batch size / tokens/s (module docstring)."""
     usable, _ = split_failed(cells)
     usable = usable[(usable["engine"] == fit.engine) & usable["adaptive_config"].isna()]
     usable = usable[(~usable["is_speculative"].astype(bool)) | (usable["method"] == fit.method)]
-    usable = usable[usable["batch_size"].isin(fit.cost.batch_sizes)].dropna(subset=["tpot_ms_mean"])
+    usable = usable[usable["batch_size"].isin(fit.cost.batch_sizes)].dropna(subset=["output_throughput_tps"])
+    usable = usable.assign(ms_per_token=ms_per_token(usable))
     is_target = ~usable["is_speculative"].astype(bool)
-    base = usable[is_target].groupby(["workload", "batch_size"])["tpot_ms_mean"].mean()
+    base = usable[is_target].groupby(["workload", "batch_size"])["ms_per_token"].mean()
     rows = []
     for row in usable.itertuples():
         g = 0 if not row.is_speculative else int(row.num_speculative_tokens)
@@ -390,10 +410,10 @@ def prediction_vs_measurement(fit: CostFit, cells: pd.DataFrame) -> pd.DataFrame
                 "g": g,
                 "repeat": int(row.repeat),
                 "predicted_tpot_ms": predicted,
-                "measured_tpot_ms": float(row.tpot_ms_mean),
-                "tpot_rel_error": (predicted - row.tpot_ms_mean) / row.tpot_ms_mean,
+                "measured_tpot_ms": row.ms_per_token,
+                "tpot_rel_error": (predicted - row.ms_per_token) / row.ms_per_token,
                 "predicted_speedup": t1 / predicted,
-                "measured_speedup": measured_base / row.tpot_ms_mean,
+                "measured_speedup": measured_base / row.ms_per_token,
             }
         )
     return pd.DataFrame(rows)
