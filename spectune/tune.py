@@ -184,6 +184,9 @@ def load_results(results_dir: str | Path) -> tuple[pd.DataFrame, dict, dict[str,
     run = load_run(results_dir)
     if run.cells.empty:
         raise SpectuneError(f"{results_dir}: no finished cells; run `spectune sweep` first (or let it finish)")
+    if run.manifest.get("plan", {}).get("schedule", "closed") != "closed":
+        raise SpectuneError(f"{results_dir}/run.json: schedule is {run.manifest['plan']['schedule']!r}, where batch size is only a cap; "
+                            "tune from a closed-loop sweep (schedule = \"closed\"), which measures each batch size")
     return run.cells, run.manifest, run.round_logs
 
 
