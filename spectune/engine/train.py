@@ -12,6 +12,7 @@ agreement with the target per workload and writes it, with the losses and timing
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -19,6 +20,7 @@ import shutil
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,14 +42,14 @@ class TrainConfig:
     seed: int = 0
     steps: int = 1000  # target optimizer steps
     draft_steps: int = 500  # draft distillation steps
-    batch_size: int = 8  # small batches, many steps: this far from convergence, steps buy more than tokens
+    batch_size: int = 8  # 8 and 16 reached the same loss per token trained; 8 keeps progress fine-grained
     seq_len: int = 256
     vocab_size: int = 2048
     lr: float = 3e-3
     draft_lr: float = 3e-3
     warmup_steps: int = 50
-    # Share of each batch that is a span followed by copies of itself: it teaches the target to copy
-    # its context (induction), which a few hundred steps of plain code alone do not.
+    # Share of each batch that is a span followed by copies of itself, there to teach the target to
+    # copy its context (induction heads); at the default budget copying has not emerged yet (README).
     repeat_fraction: float = 0.25
     corpus_mb: float | None = None  # cap on the corpus size, for quick runs
     eval_prompts: int = 16
@@ -183,9 +185,10 @@ def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
-def run_steps(name: str, model: torch.nn.Module, loss_fn, stream: torch.Tensor, cfg: TrainConfig,
-              steps: int, peak_lr: float, seed: int) -> tuple[list[float], float]:
-    """The shared optimisation loop; returns the loss of every step and the mean seconds per step."""
+def run_steps(name: str, model: torch.nn.Module, step_loss: Callable[[torch.Generator], torch.Tensor],
+              steps: int, peak_lr: float, warmup_steps: int, seed: int) -> tuple[list[float], float]:
+    """The shared optimisation loop (`step_loss` samples a batch from the generator and returns its
+    loss); returns the loss of every step and the mean seconds per step."""
     gen = torch.Generator().manual_seed(seed)
     optimizer = make_optimizer(model, peak_lr)
     losses: list[float] = []
@@ -193,8 +196,8 @@ def run_steps(name: str, model: torch.nn.Module, loss_fn, stream: torch.Tensor, 
     model.train()
     for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, steps, peak_lr, cfg.warmup_steps)
-        loss = loss_fn(sample_batch(stream, cfg, gen))
+            group["lr"] = lr_at(step, steps, peak_lr, warmup_steps)
+        loss = step_loss(gen)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -213,11 +216,12 @@ def train_target(stream: torch.Tensor, cfg: TrainConfig) -> tuple[LlamaForCausal
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(llama_config(cfg.vocab_size, num_layers=4))
 
-    def loss_fn(batch: torch.Tensor) -> torch.Tensor:
+    def text_loss(gen: torch.Generator) -> torch.Tensor:
+        batch = sample_batch(stream, cfg, gen)
         logits = model(input_ids=batch[:, :-1]).logits  # [B, T, V]
         return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
 
-    losses, per_step = run_steps("target", model, loss_fn, stream, cfg, cfg.steps, cfg.lr, cfg.seed)
+    losses, per_step = run_steps("target", model, text_loss, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.seed)
     return round_to_fp16(model), losses, per_step
 
 
@@ -230,26 +234,30 @@ def train_draft(target: LlamaForCausalLM, stream: torch.Tensor, cfg: TrainConfig
     draft.model.norm.load_state_dict(target.model.norm.state_dict())
     draft.model.embed_tokens.requires_grad_(False)
 
-    def loss_fn(batch: torch.Tensor) -> torch.Tensor:
+    def kl_loss(gen: torch.Generator) -> torch.Tensor:
+        batch = sample_batch(stream, cfg, gen)
         with torch.no_grad():
             target_logp = F.log_softmax(target(input_ids=batch[:, :-1]).logits, dim=-1)  # [B, T, V]
         draft_logp = F.log_softmax(draft(input_ids=batch[:, :-1]).logits, dim=-1)
         # KL(target || draft) per token, temperature 1
         return F.kl_div(draft_logp.flatten(0, 1), target_logp.flatten(0, 1), log_target=True, reduction="batchmean")
 
-    losses, per_step = run_steps("draft", draft, loss_fn, stream, cfg, cfg.draft_steps, cfg.draft_lr, cfg.seed + 1)
+    losses, per_step = run_steps("draft", draft, kl_loss, cfg.draft_steps, cfg.draft_lr, cfg.warmup_steps, cfg.seed + 1)
     return round_to_fp16(draft), losses, per_step
 
 
+@torch.no_grad()
 def round_to_fp16(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    """Evaluate (and distil from) exactly the weights that are shipped in fp16."""
-    return model.to(torch.float16).to(torch.float32).eval()
+    """Evaluate (and distil from) exactly the weights that are shipped in fp16. Parameters only:
+    `model.to(float16)` would also round the rotary frequencies, which a loader recomputes in fp32."""
+    for param in model.parameters():
+        param.copy_(param.half())
+    return model.eval()
 
 
 def save_model(model: LlamaForCausalLM, tokenizer: Tokenizer, out: Path) -> None:
     out.mkdir(parents=True)
-    model.to(torch.float16).save_pretrained(out, safe_serialization=True)
-    model.to(torch.float32)
+    copy.deepcopy(model).to(torch.float16).save_pretrained(out, safe_serialization=True)
     write_tokenizer_files(tokenizer, out, model.config.max_position_embeddings)
 
 
@@ -280,22 +288,36 @@ def greedy_generate(model: LlamaForCausalLM, prompts: torch.Tensor, num_new: int
     return torch.cat(tokens, dim=1)
 
 
-@torch.no_grad()
-def greedy_paths(target: LlamaForCausalLM, prompts: dict[str, torch.Tensor], num_new: int) -> dict[str, torch.Tensor]:
-    """Per workload, [N, P + num_new]: each prompt followed by the target's greedy continuation."""
-    return {name: torch.cat([p, greedy_generate(target, p, num_new)], dim=1) for name, p in prompts.items()}
+@dataclass(slots=True, frozen=True)
+class TargetPaths:
+    """Per workload: prompts followed by the target's greedy continuation ([N, P + num_new] tokens), and
+    the target's greedy choice at those num_new positions recomputed by one full forward pass ([N,
+    num_new]): the computation every compared model gets, so the target agrees with itself exactly."""
+
+    tokens: dict[str, torch.Tensor]
+    choices: dict[str, torch.Tensor]
+    num_new: int
 
 
 @torch.no_grad()
-def greedy_agreement(model: LlamaForCausalLM, path: torch.Tensor, num_new: int) -> float:
-    """Token-level acceptance proxy: along the target's greedy path, how often `model`'s greedy token
+def greedy_choices(model: LlamaForCausalLM, tokens: torch.Tensor, num_new: int) -> torch.Tensor:
+    """[N, num_new]: the model's greedy token at each of the last num_new positions of `tokens`."""
+    return model(input_ids=tokens[:, :-1]).logits[:, -num_new:].argmax(-1)
+
+
+def target_paths(target: LlamaForCausalLM, prompts: dict[str, torch.Tensor], num_new: int) -> TargetPaths:
+    tokens = {name: torch.cat([p, greedy_generate(target, p, num_new)], dim=1) for name, p in prompts.items()}
+    choices = {name: greedy_choices(target, t, num_new) for name, t in tokens.items()}
+    return TargetPaths(tokens, choices, num_new)
+
+
+def agreement(model: LlamaForCausalLM, paths: TargetPaths) -> Agreement:
+    """Token-level acceptance proxy: along the target's greedy path, how often the model's greedy token
     equals the target's (what greedy speculative decoding accepts, position by position)."""
-    logits = model(input_ids=path[:, :-1]).logits[:, -num_new:]  # [N, G, V]
-    return (logits.argmax(-1) == path[:, -num_new:]).float().mean().item()
-
-
-def agreement(model: LlamaForCausalLM, paths: dict[str, torch.Tensor], num_new: int) -> Agreement:
-    return Agreement(**{name: greedy_agreement(model, path, num_new) for name, path in paths.items()})
+    return Agreement(**{
+        name: (greedy_choices(model, tokens, paths.num_new) == paths.choices[name]).float().mean().item()
+        for name, tokens in paths.tokens.items()
+    })
 
 
 @torch.no_grad()
@@ -345,19 +367,19 @@ def _build(out: Path, cfg: TrainConfig, command: str) -> None:
     draft, draft_losses, draft_step_s = train_draft(target, stream, cfg)
 
     prompts = eval_prompts(held_out, cfg, cfg.seed)
-    paths = greedy_paths(target, prompts, cfg.eval_new_tokens)
+    paths = target_paths(target, prompts, cfg.eval_new_tokens)
     torch.manual_seed(cfg.seed + 2)
     untrained = LlamaForCausalLM(llama_config(cfg.vocab_size, num_layers=1)).eval()
     figures = {
-        "draft": agreement(draft, paths, cfg.eval_new_tokens),
-        "untrained 1-layer": agreement(untrained, paths, cfg.eval_new_tokens),
+        "draft": agreement(draft, paths),
+        "untrained 1-layer": agreement(untrained, paths),
     }
     shipped_weights = {k: v.half() for k, v in target.state_dict().items() if k != "lm_head.weight"}  # tied
     for noise in NOISE_LEVELS:
         noisy = LlamaForCausalLM(target.config).eval()
         noisy.load_state_dict(perturbed(shipped_weights, noise, cfg.seed), strict=False)
         noisy.tie_weights()
-        figures[f"noisy target {noise:g}"] = agreement(noisy, paths, cfg.eval_new_tokens)
+        figures[f"noisy target {noise:g}"] = agreement(noisy, paths)
     sample_ids = greedy_generate(target, prompts["code"][:1], 48)[0].tolist()
     report = RunReport(
         command=command, cfg=cfg, wall_s=time.perf_counter() - started,
@@ -404,7 +426,8 @@ Made by `spectune/engine/train.py` (no hub, no downloads); this file is written 
   library's sources, GPT-2 pre-tokenizer regex, one special token `{EOS}` (id {EOS_ID}, bos = eos).
 - Corpus: the stdlib's `.py` files in sorted order, minus {", ".join(sorted(SKIPPED_DIRS))}; every
   {HELD_OUT_EVERY}th file held out for evaluation. A share of {self.cfg.repeat_fraction:g} of each training
-  batch is a span tiled to fill the row, so the target learns to copy its context.
+  batch is a span tiled to fill the row, meant to teach the target to copy its context (see the
+  measured copy accuracy below: at this budget it has not learned to).
 - Size: {size_bytes / 1e6:.1f} MB for both dirs together.
 
 ## Reproduce
@@ -480,11 +503,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--corpus-mb", type=float, default=None, help="use only the first N MB of the corpus")
     parser.add_argument("--threads", type=int, default=defaults.threads)
+    parser.add_argument("--eval-prompts", type=int, default=defaults.eval_prompts, help="prompts per workload")
     args = parser.parse_args(argv)
     cfg = TrainConfig(
         seed=args.seed, steps=args.steps,
         draft_steps=args.steps // 2 if args.draft_steps is None else args.draft_steps,
-        batch_size=args.batch_size, corpus_mb=args.corpus_mb, threads=args.threads,
+        batch_size=args.batch_size, corpus_mb=args.corpus_mb, threads=args.threads, eval_prompts=args.eval_prompts,
     )
     train(args.out, cfg, " ".join(["python -m spectune.engine.train", *argv]))
 
