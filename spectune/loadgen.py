@@ -161,22 +161,30 @@ class _Sender:
     async def send(self, session: aiohttp.ClientSession, request: Request, is_warmup: bool) -> RequestRecord:
         path = "/v1/chat/completions" if request.messages is not None else "/v1/completions"
         data = json.dumps(request_body(request, self.model, **self.sampling)).encode("utf-8")
-        record = RequestRecord(index=request.index, send_ns=time.perf_counter_ns(), warmup=is_warmup)
-        try:
-            await self._stream(session, self.base_url + path, data, record)
-        finally:
-            record.end_ns = time.perf_counter_ns()
+        for attempt in range(2):
+            record = RequestRecord(index=request.index, send_ns=time.perf_counter_ns(), warmup=is_warmup)
+            try:
+                unsent = await self._stream(session, self.base_url + path, data, record)
+            finally:
+                record.end_ns = time.perf_counter_ns()
+            if not unsent or attempt:
+                return record
+            # A pooled keep-alive connection the server had just closed: the request never left this
+            # process, so it is sent once more on a new connection (and timed from then).
         return record
 
-    async def _stream(self, session: aiohttp.ClientSession, url: str, data: bytes, record: RequestRecord) -> None:
+    async def _stream(self, session: aiohttp.ClientSession, url: str, data: bytes, record: RequestRecord) -> bool:
+        """Fill `record`; True only when the request could not be written to a reused connection."""
         # One timer serves both limits: it is moved to min(request end, now + stall) before every read.
         # (asyncio.wait_for nested in asyncio.timeout can swallow the outer cancel on Python 3.11.)
         loop = asyncio.get_running_loop()
         request_end = loop.time() + self.request_timeout_s
         num_chunks, counter = 0, _TokenCounter()
         timer = asyncio.timeout(min(request_end, loop.time() + self.stall_timeout_s))
+        answered = False
         try:
             async with timer, session.post(url, data=data, headers=self.headers) as response:
+                answered = True
                 if response.status != 200:
                     body = await response.text(errors="replace")
                     record.error = f"http {response.status}: {body[:200]}"
@@ -222,10 +230,12 @@ class _Sender:
             record.error = f"connection failed: {e}"
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionResetError) as e:
             record.error = f"stream ended early after {num_chunks} chunks ({type(e).__name__}: {e})"
+            return not answered and isinstance(e, (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError))
         except ValueError as e:  # aiohttp: a line longer than its buffer
             record.error = f"malformed chunk: {e}"
         finally:
             record.token_source = counter.source
+        return False
 
 
 def _sse_data(line: bytes) -> bytes | None:
