@@ -121,14 +121,15 @@ class ManagedProcess:
 
     def stop(self, grace_s: float = 10.0) -> None:
         p = self.popen
-        if p is not None and p.poll() is None:
-            _signal_group(p.pid, signal.SIGTERM)
-            try:
-                p.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
         if p is not None:
-            _signal_group(p.pid, signal.SIGKILL)  # stragglers in the group, even after the leader exited
+            # Signal the whole group and wait for every member, not just the leader: an engine's
+            # workers (vLLM's EngineCore) can outlive it and still hold the port and memory.
+            if _group_alive(p.pid):
+                _signal_group(p.pid, signal.SIGTERM)
+                _wait_group_gone(p.pid, grace_s)
+            if _group_alive(p.pid):
+                _signal_group(p.pid, signal.SIGKILL)
+                _wait_group_gone(p.pid, grace_s)
             try:
                 p.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
@@ -153,6 +154,34 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of the group still runs (zombies, already dead, do not count)."""
+    proc = Path("/proc")
+    if not proc.is_dir():  # not Linux: a group of zombies still answers, which only makes us wait longer
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited while we looked
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling the kernel's process table; there is no event to wait on
 
 
 _LIVE: set[ManagedProcess] = set()
