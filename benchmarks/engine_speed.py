@@ -1,10 +1,11 @@
-"""How fast the embedded engine runs here: target-only decode throughput, the draft/target cost ratio c, and what
-verifying g+1 tokens costs relative to one token. These are the inputs of the speedup model E / (g*c + 1).
+"""How fast the embedded engine runs here: target-only decode throughput, the draft/target cost ratio c (for the
+draft model and for the EAGLE head), and what verifying g+1 tokens costs relative to one token. These are the
+inputs of the speedup model E / (g*c + 1).
 
-    python benchmarks/engine_speed.py [--target DIR] [--draft DIR] [--threads N]
+    python benchmarks/engine_speed.py [--target DIR] [--draft DIR] [--eagle DIR] [--threads N]
 
-Defaults: the shipped target and draft. Figures are medians over repeated forwards (ms) and wall-clock
-throughput over whole requests (tokens/s, prefill included).
+Defaults: the shipped target, draft and EAGLE head. Figures are medians over repeated forwards (ms) and
+wall-clock throughput over whole requests (tokens/s, prefill included).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from spectune.engine.config import EngineConfig
+from spectune.engine.eagle import EagleHead, load_eagle
 from spectune.engine.engine import LLMEngine
 from spectune.engine.model import Llama, load_model
 from spectune.engine.scheduler import SamplingParams
@@ -47,6 +49,20 @@ def forward_ms(cases: dict[str, tuple[Llama, int, int]], repeats: int) -> dict[s
     return {name: statistics.median(t[3:]) for name, t in times.items()}
 
 
+def eagle_step_ms(head: EagleHead, batch: int, repeats: int) -> float:
+    """Median wall ms of one EAGLE draft step (head and argmax over its vocabulary) at `batch` rows."""
+    feature = torch.nn.functional.rms_norm(torch.randn(batch, head.config.hidden_size), (head.config.hidden_size,))
+    tokens = torch.randint(0, head.vocab_size, (batch,))
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 3):
+            t0 = time.perf_counter()
+            _, logits = head.step(feature, tokens)
+            head.vocab[logits.argmax(-1)]
+            times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times[3:])
+
+
 def decode_tokens_per_s(target: Path, batch: int, max_tokens: int) -> float:
     engine = LLMEngine(EngineConfig(model=target, max_num_seqs=batch))
     vocab = engine.vocab_size
@@ -62,17 +78,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, default=None)
     parser.add_argument("--draft", type=Path, default=None)
+    parser.add_argument("--eagle", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.target is None or args.draft is None:
+    if args.target is None or args.draft is None or args.eagle is None:
         from spectune.engine import shipped
 
         args.target = args.target or shipped.target_path()
         args.draft = args.draft or shipped.draft_path()
+        args.eagle = args.eagle or shipped.eagle_path()
     target, draft = load_model(args.target, 1024), load_model(args.draft, 1024)
+    eagle = load_eagle(args.eagle, target)
     print(f"target {args.target} ({target.config.num_layers} layers, hidden {target.config.hidden_size}); "
           f"draft {args.draft} ({draft.config.num_layers} layers, hidden {draft.config.hidden_size}); "
           f"torch threads {torch.get_num_threads()}; context {CONTEXT} tokens; load average {os.getloadavg()[0]:.1f}")
@@ -85,13 +104,16 @@ def main() -> None:
     cases = {"t1": (target, 1, 1), "d1": (draft, 1, 1), "t16": (target, 16, 1), "v16": (target, 16, 4)}
     cases |= {f"v{g}": (target, 1, g + 1) for g in gs}
     ms = forward_ms(cases, args.repeats)
+    ms["e1"], ms["e16"] = eagle_step_ms(eagle, 1, args.repeats), eagle_step_ms(eagle, 16, args.repeats)
     print("\n| forward, batch 1 | ms | ratio |\n|---|---|---|")
     print(f"| target, 1 token | {ms['t1']:.3f} | 1.00 |")
-    print(f"| draft, 1 token | {ms['d1']:.3f} | c = {ms['d1'] / ms['t1']:.2f} |")
+    print(f"| draft model, 1 token | {ms['d1']:.3f} | c = {ms['d1'] / ms['t1']:.2f} |")
+    print(f"| EAGLE head, 1 step | {ms['e1']:.3f} | c = {ms['e1'] / ms['t1']:.2f} |")
     for g in gs:
         print(f"| target verify g={g} ({g + 1} tokens) | {ms[f'v{g}']:.3f} | {ms[f'v{g}'] / ms['t1']:.2f} |")
     print(f"\n| forward, batch 16 | ms | ratio |\n|---|---|---|\n| target, 1 token/row | {ms['t16']:.3f} | 1.00 |")
     print(f"| target verify g=3 (4 tokens/row) | {ms['v16']:.3f} | {ms['v16'] / ms['t16']:.2f} |")
+    print(f"| EAGLE head, 1 step | {ms['e16']:.3f} | c = {ms['e16'] / ms['t16']:.2f} |")
 
 if __name__ == "__main__":
     main()

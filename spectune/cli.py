@@ -23,8 +23,10 @@ def serve(
     model: Optional[Path] = typer.Option(None, help="Target: an HF Llama checkpoint dir. Default: the shipped target."),
     served_model_name: Optional[str] = typer.Option(None, help="Model name in the API. Default: the model dir's name."),
     speculative_config: Optional[str] = typer.Option(
-        None, help='vLLM-style JSON, e.g. \'{"method": "draft_model", "num_speculative_tokens": 3}\' or '
-        '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'. Default: no speculation.'),
+        None, help='vLLM-style JSON, e.g. \'{"method": "eagle", "num_speculative_tokens": 3}\', '
+        '\'{"method": "draft_model", "num_speculative_tokens": 3}\' or '
+        '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'. Without "model", eagle and '
+        'draft_model use the shipped head / draft. Default: no speculation.'),
     speculative_adaptive_config: Optional[Path] = typer.Option(
         None, help="SGLang adaptive_spec.json: steps adapt per batch size (num_speculative_tokens is the launch step)."),
     max_num_seqs: int = typer.Option(16, help="Most sequences decoded together (KV-cache slots)."),

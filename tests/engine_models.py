@@ -77,18 +77,42 @@ def noisy_copy(src: Path, out: Path, noise: float, seed: int = 0) -> Path:
     return out
 
 
-def bigram_target(out: Path, vocab_size: int, seed: int = 0) -> Path:
+def bigram_target(out: Path, vocab_size: int, seed: int = 0, context: float = 0.0) -> Path:
     """A Llama whose attention and MLP outputs are zeroed, so the next token depends only on the current one.
 
     Its greedy output walks a fixed token -> token map, so text made of that walk is repetitive in exactly the
     way the model continues it: what an n-gram proposer needs, without training a model in the test.
+    `context` > 0 keeps that share of the attention output: mostly the map, partly the context (and the KV cache).
     """
     from safetensors.torch import load_file, save_file
 
     llama(out, vocab_size, seed=seed, layers=1, init_std=1.0)
     weights = load_file(str(out / "model.safetensors"))
     for name in weights:
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith("o_proj.weight"):
+            weights[name] = weights[name] * context
+        if name.endswith("down_proj.weight"):
             weights[name] = torch.zeros_like(weights[name])
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def eagle_head(target: Path, out: Path, *, draft_vocab: int, steps: int = 0, seed: int = 0) -> Path:
+    """An EAGLE head for `target` made by spectune's own trainer: `steps` of distillation (0: untrained, random
+    weights) on text the target itself samples, its LM head restricted to the `draft_vocab` most frequent tokens."""
+    from transformers import LlamaForCausalLM
+
+    from spectune.engine.train import TrainConfig, save_eagle, train_eagle
+
+    model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    torch.manual_seed(seed)
+    starts = torch.randint(2, vocab, (16, 4), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        text = model.generate(starts, do_sample=True, temperature=0.7, top_k=0, max_new_tokens=120, min_new_tokens=120,
+                              pad_token_id=0)
+    stream = text.flatten()
+    cfg = TrainConfig(seed=seed, batch_size=4, seq_len=32, vocab_size=vocab, eagle_steps=steps, warmup_steps=5,
+                      eagle_head_size=64, eagle_intermediate_size=128, eagle_vocab_size=draft_vocab, repeat_fraction=0.0)
+    save_eagle(train_eagle(model, stream, cfg), out)
     return out

@@ -5,6 +5,7 @@ reproduces its output bit for bit."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import time
@@ -81,9 +82,9 @@ def test_shipped_weights_are_small_fp16_safetensors():
     from safetensors import safe_open
 
     total = 0
-    for model_dir in (shipped.target_path(), shipped.draft_path()):
+    for model_dir in (shipped.target_path(), shipped.draft_path(), shipped.eagle_path()):
         with safe_open(model_dir / shipped.WEIGHTS, framework="pt") as f:
-            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F16"}
+            assert {f.get_slice(k).get_dtype() for k in f.keys() if k != "draft_vocab"} == {"F16"}
         total += sum(p.stat().st_size for p in model_dir.iterdir())
     assert total < 20e6
 
@@ -103,6 +104,29 @@ def test_draft_agrees_with_target_far_more_than_an_untrained_layer(draft, paths)
     assert trained.code > 0.5
     assert random_init.code < 0.1
     assert trained.quote > random_init.quote + 0.2
+
+
+def test_eagle_head_agrees_with_target_far_more_than_an_untrained_head(target, held_out, paths):
+    from safetensors.torch import load_file
+
+    from spectune.engine.eagle import EagleConfig
+
+    config = EagleConfig.from_dir(shipped.eagle_path())
+    weights = load_file(str(shipped.eagle_path() / shipped.WEIGHTS))
+    vocab = weights.pop("draft_vocab").long()
+    lm_head = (target.model.norm.weight[:, None] * target.lm_head.weight.t()).detach()[:, vocab]
+
+    def head_agreement(seed: int | None) -> train.Agreement:
+        torch.manual_seed(seed or 0)
+        head = train.EagleTrainHead(config.hidden_size, config.head_size, config.intermediate_size, config.rms_norm_eps)
+        if seed is None:
+            head.load_state_dict({k: v.float() for k, v in weights.items()})
+        return train.eagle_agreement(target, train.Eagle(head.eval(), vocab, lm_head, 0.0, [], 0.0), paths)
+
+    trained, untrained = head_agreement(None), head_agreement(1)
+    assert trained.code > 0.5
+    assert untrained.code < 0.1
+    assert trained.random > untrained.random
 
 
 def test_noisy_drafts_agree_less_as_noise_grows(monkeypatch, tmp_path, paths):
@@ -185,14 +209,20 @@ def test_gguf_conversion_runs_in_llama_server_with_the_same_tokens(tmp_path, tar
 
 
 def test_training_script_is_deterministic_end_to_end(tmp_path):
-    args = ["--steps", "2", "--draft-steps", "1", "--batch-size", "4", "--corpus-mb", "0.3", "--seed", "3",
-            "--eval-prompts", "2"]
+    args = ["--steps", "2", "--draft-steps", "1", "--eagle-steps", "2", "--batch-size", "4", "--corpus-mb", "0.3",
+            "--seed", "3", "--eval-prompts", "2"]
     for name in ("a", "b"):
         train.main(["--out", str(tmp_path / name), *args])
     for model in ("target", "draft"):
         for name in (shipped.WEIGHTS, "tokenizer.json", "config.json"):
             assert (tmp_path / "a" / model / name).read_bytes() == (tmp_path / "b" / model / name).read_bytes()
+    head = (tmp_path / "a" / "eagle" / shipped.WEIGHTS).read_bytes()
+    assert head == (tmp_path / "b" / "eagle" / shipped.WEIGHTS).read_bytes()
     assert "--seed 3" in (tmp_path / "a" / "README.md").read_text()
-    assert not list(tmp_path.glob(".*"))  # no staging dirs left behind
+    # --eagle-only remakes exactly the head a full run made from the same target
+    shutil.rmtree(tmp_path / "b" / "eagle")
+    train.main(["--out", str(tmp_path / "b"), "--eagle-only", *args])
+    assert (tmp_path / "b" / "eagle" / shipped.WEIGHTS).read_bytes() == head
+    assert not [p for p in tmp_path.rglob(".*")]  # no staging dirs left behind
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "a" / "draft")
     assert loaded.config.num_hidden_layers == 1

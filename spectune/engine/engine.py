@@ -19,7 +19,8 @@ import torch
 
 from spectune.engine.config import EngineConfig
 from spectune.engine.model import ModelConfig, load_model
-from spectune.engine.proposers import DraftModelProposer, NgramProposer, Proposer
+from spectune.engine.eagle import load_eagle
+from spectune.engine.proposers import DraftModelProposer, EagleProposer, NgramProposer, Proposer
 from spectune.engine.runner import ModelRunner, RoundResult
 from spectune.engine.scheduler import RequestOutput, SamplingParams, Scheduler, Sequence, make_step_policy
 from spectune.errors import SpectuneError
@@ -66,6 +67,8 @@ class LLMEngine:
                 raise SpectuneError(f"{draft_path}: draft vocab_size {draft.config.vocab_size} != target's "
                                     f"{target.config.vocab_size}; the draft must share the target's tokenizer")
             proposer = DraftModelProposer(draft, config.max_num_seqs)
+        elif spec is not None and spec.method == "eagle":
+            proposer = EagleProposer(load_eagle(spec.model or _shipped().eagle_path(), target), config.max_num_seqs)
         elif spec is not None:
             proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.vocab_size = target.config.vocab_size

@@ -165,7 +165,7 @@ class Llama:
 
         x = F.embedding(tokens, self.embed)  # [B, T, D]
         for i, layer in enumerate(self.layers):
-            h = _normalize(x, c.rms_norm_eps)
+            h = rms_normalize(x, c.rms_norm_eps)
             qkv = _rope((h @ layer.qkv).view(bsz, seqlen, nh + 2 * nkv, dh), cos, sin)
             q, kv = qkv[:, :, :nh], qkv[:, :, nh:]  # [B, T, H, Dh], [B, T, 2KV, Dh]
             layer_cache = cache.kv[i]  # [S + 1, 2KV, max_len, Dh]
@@ -179,12 +179,12 @@ class Llama:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, KV, T * G, Dh]
             attn = attn.view(bsz, nkv, seqlen, group * dh).transpose(1, 2).reshape(bsz, seqlen, nh * dh)
             x = x + attn @ layer.o
-            h = _normalize(x, c.rms_norm_eps)
+            h = rms_normalize(x, c.rms_norm_eps)
             gate, up = (h @ layer.gate_up).chunk(2, dim=-1)
             x = x + (F.silu(gate) * up) @ layer.down
         for s, e in zip(slots, ends):
             cache.lengths[s] = e
-        return _normalize(x, c.rms_norm_eps)
+        return rms_normalize(x, c.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., D] -> logits [..., V]."""
@@ -196,7 +196,7 @@ def _fold(norm_weight: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (norm_weight[:, None] * weight.t()).contiguous()
 
 
-def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     # RMSNorm without its weight (folded into the next projection)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 

@@ -1,4 +1,5 @@
-"""Draft proposers: a small draft model with its own KV cache, or n-gram prompt lookup."""
+"""Draft proposers: a small draft model with its own KV cache, an EAGLE-style head on the target's hidden
+states, or n-gram prompt lookup."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from spectune.engine.eagle import EagleHead
 from spectune.engine.model import Llama
 from spectune.engine.scheduler import Sequence
 from spectune.engine.speculative import probs_from_logits, sample
@@ -21,7 +23,13 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    def prefill(self, seqs: list[Sequence]) -> None: ...
+    def prefill(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        """After the target's prefill; hidden [B, D]: the target's feature at each prompt's last position."""
+        ...
+
+    def observe(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        """After a verify round; hidden [B, D]: the target's feature at each sequence's last kept input."""
+        ...
 
     def propose(
         self, seqs: list[Sequence], num_steps: int, limits: list[int], temperatures: torch.Tensor, uniforms: torch.Tensor
@@ -37,7 +45,10 @@ class NgramProposer:
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
 
-    def prefill(self, seqs: list[Sequence]) -> None:
+    def prefill(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        pass
+
+    def observe(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         pass
 
     def propose(
@@ -76,11 +87,14 @@ class DraftModelProposer:
         self.model = model
         self.cache = model.new_cache(num_slots)
 
-    def prefill(self, seqs: list[Sequence]) -> None:
+    def prefill(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         for seq in seqs:
             self.cache.lengths[seq.slot] = 0
         prompts = [seq.prompt_ids for seq in seqs]
         self.model.forward(_pad(prompts), [seq.slot for seq in seqs], self.cache, [len(p) for p in prompts])
+
+    def observe(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        pass
 
     def propose(
         self, seqs: list[Sequence], num_steps: int, limits: list[int], temperatures: torch.Tensor, uniforms: torch.Tensor
@@ -113,6 +127,42 @@ class DraftModelProposer:
             num_new = [1 if step + 1 < limit else 0 for limit in limits]
         num_draft = torch.tensor([min(steps, limit) for limit in limits])
         return Proposal(tokens, num_draft, probs)
+
+
+class EagleProposer:
+    """Drafts with an EAGLE-style head (eagle.py) from the target's feature at each sequence's last processed
+    position, kept per KV slot; the head's own state is that one feature, so rejected drafts leave nothing to undo."""
+
+    def __init__(self, head: EagleHead, num_slots: int):
+        self.head = head
+        self.features = torch.zeros(num_slots, head.config.hidden_size)
+
+    def prefill(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        self.observe(seqs, hidden)
+
+    def observe(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        self.features[[seq.slot for seq in seqs]] = hidden
+
+    def propose(
+        self, seqs: list[Sequence], num_steps: int, limits: list[int], temperatures: torch.Tensor, uniforms: torch.Tensor
+    ) -> Proposal:
+        bsz, steps = len(seqs), min(num_steps, max(limits))
+        vocab = self.head.vocab
+        feature = self.features[[seq.slot for seq in seqs]]
+        token = torch.tensor([seq.last_token for seq in seqs])
+        tokens = torch.zeros(bsz, steps, dtype=torch.long)
+        sampled = bool((temperatures > 0).any())
+        probs = torch.zeros(bsz, steps, self.head.vocab_size) if sampled else None
+        for step in range(steps):
+            feature, logits = self.head.step(feature, token)  # logits over the draft vocabulary [B, K]
+            if sampled:
+                q = probs_from_logits(logits, temperatures)
+                probs[:, step, vocab] = q  # zero outside the draft vocabulary
+                token = vocab[sample(q, uniforms[:, step])]
+            else:
+                token = vocab[logits.argmax(-1)]
+            tokens[:, step] = token
+        return Proposal(tokens, torch.tensor([min(steps, limit) for limit in limits]), probs)
 
 
 def _pad(rows: list[list[int]]) -> torch.Tensor:

@@ -50,7 +50,7 @@ class ModelRunner:
         else:
             first = logits.argmax(-1)
         if self.proposer is not None:
-            self.proposer.prefill(seqs)
+            self.proposer.prefill(seqs, hidden[torch.arange(len(seqs)), torch.tensor(lens) - 1])
         return [[t] for t in first.tolist()]
 
     def speculate(self, seqs: list[Sequence], num_steps: int) -> RoundResult:
@@ -83,6 +83,8 @@ class ModelRunner:
             if draft_probs is None:  # deterministic proposals (n-gram) are one-hot distributions
                 draft_probs = torch.zeros(bsz, g, logits.shape[-1]).scatter_(-1, draft[..., None], 1.0)
             num_accepted, next_token = rejection_verify(draft, num_draft, draft_probs, target_probs, _uniforms(seqs, g + 1))
+        if self.proposer is not None:
+            self.proposer.observe(seqs, hidden[torch.arange(bsz), num_accepted])  # the input that produced next_token
         accepted = num_accepted.tolist()
         # Keep the last input and the accepted drafts in the KV cache; rejected ones are rolled back.
         for slot, start, n in zip(slots, starts, accepted):

@@ -47,6 +47,12 @@ def draft_path() -> Path:
     return _shipped("draft")
 
 
+def eagle_path() -> Path:
+    """The shipped EAGLE-style head: a residual MLP on the target's hidden states (eagle.py), trained to
+    imitate the target's own outputs."""
+    return _shipped("eagle")
+
+
 def perturbed(tensors: dict[str, torch.Tensor], noise: float, seed: int) -> dict[str, torch.Tensor]:
     """Each tensor plus Gaussian noise of std `noise` x the tensor's own std, in its own dtype.
 

@@ -55,6 +55,13 @@ class TrainConfig:
     eval_prompts: int = 16
     eval_new_tokens: int = 64
     threads: int = 2
+    # EAGLE-style head (eagle.py): sizes picked so a draft step costs ~0.1 of a target forward at batch 1
+    eagle_steps: int = 1200
+    eagle_lr: float = 3e-3
+    eagle_unroll: int = 3  # train on its own predicted features for this many steps, as it drafts
+    eagle_head_size: int = 256
+    eagle_intermediate_size: int = 512
+    eagle_vocab_size: int = 1024  # the most frequent training tokens
 
 
 @dataclass(slots=True, frozen=True)
@@ -246,6 +253,114 @@ def train_draft(target: LlamaForCausalLM, stream: torch.Tensor, cfg: TrainConfig
     return round_to_fp16(draft), losses, per_step
 
 
+class EagleTrainHead(torch.nn.Module):
+    """The training twin of eagle.EagleHead (same maths, nn.Linear weights saved under the same names)."""
+
+    def __init__(self, hidden_size: int, head_size: int, intermediate_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.w_in = torch.nn.Linear(2 * hidden_size, head_size, bias=False)
+        self.gate_up = torch.nn.Linear(head_size, 2 * intermediate_size, bias=False)
+        self.down = torch.nn.Linear(intermediate_size, head_size, bias=False)
+        self.w_out = torch.nn.Linear(head_size, hidden_size, bias=False)
+
+    def forward(self, feature: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        x = self.w_in(torch.cat([feature, embedded], dim=-1))
+        gate, up = self.gate_up(F.rms_norm(x, x.shape[-1:], eps=self.eps)).chunk(2, dim=-1)
+        x = x + self.down(F.silu(gate) * up)
+        return F.rms_norm(self.w_out(F.rms_norm(x, x.shape[-1:], eps=self.eps)), feature.shape[-1:], eps=self.eps)
+
+
+@dataclass(slots=True)
+class Eagle:
+    head: EagleTrainHead
+    vocab: torch.Tensor  # [K] token ids, most frequent first
+    lm_head: torch.Tensor  # [D, K]: the target's, final norm folded in, restricted to vocab
+    coverage: float  # share of training tokens inside vocab
+    losses: list[float]
+    step_s: float
+
+    def logits(self, feature: torch.Tensor) -> torch.Tensor:
+        return feature @ self.lm_head
+
+
+@torch.no_grad()
+def target_features(target: LlamaForCausalLM, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] tokens -> the target's features [B, T, D] (final hidden state normalized without the final norm's
+    weight, as the engine's model.forward returns it) and its next-token probabilities [B, T, V]."""
+    captured: list[torch.Tensor] = []
+    hook = target.model.norm.register_forward_hook(lambda module, args, out: captured.append(args[0]))
+    try:
+        logits = target(input_ids=tokens).logits
+    finally:
+        hook.remove()
+    return F.rms_norm(captured[0], captured[0].shape[-1:], eps=target.config.rms_norm_eps), torch.softmax(logits, -1)
+
+
+def train_eagle(target: LlamaForCausalLM, stream: torch.Tensor, cfg: TrainConfig) -> Eagle:
+    """Distil the head from the target: from the target's feature at t and token t+1, predict the target's
+    feature and next-token distribution at t+1, then again from its own prediction (cfg.eagle_unroll steps).
+    Loss per step: cross-entropy to the target's distribution over the draft vocabulary + smooth L1 on features."""
+    torch.manual_seed(cfg.seed + 3)
+    counts = torch.bincount(stream, minlength=cfg.vocab_size)
+    vocab = torch.argsort(-counts, stable=True)[: cfg.eagle_vocab_size]
+    coverage = (counts[vocab].sum() / counts.sum()).item()
+    hidden = target.config.hidden_size
+    head = EagleTrainHead(hidden, cfg.eagle_head_size, cfg.eagle_intermediate_size, target.config.rms_norm_eps)
+    embed = target.model.embed_tokens.weight.detach()
+    lm_head = (target.model.norm.weight[:, None] * target.lm_head.weight.t()).detach()[:, vocab].contiguous()
+    unroll = cfg.eagle_unroll
+
+    def loss_fn(gen: torch.Generator) -> torch.Tensor:
+        batch = sample_batch(stream, cfg, gen)  # [B, W]
+        with torch.no_grad():
+            features, probs = target_features(target, batch)
+        width = batch.shape[1] - unroll
+        feature, loss = features[:, :width], torch.zeros(())
+        for k in range(unroll):
+            feature = head(feature, F.embedding(batch[:, 1 + k : 1 + k + width], embed))
+            p = probs[:, 1 + k : 1 + k + width][..., vocab]
+            loss = loss - (p * torch.log_softmax(feature @ lm_head, -1)).sum(-1).mean()
+            loss = loss + F.smooth_l1_loss(feature, features[:, 1 + k : 1 + k + width])
+        return loss / unroll
+
+    losses, step_s = run_steps("eagle", head, loss_fn, cfg.eagle_steps, cfg.eagle_lr, cfg.warmup_steps, cfg.seed + 3)
+    with torch.no_grad():
+        for param in head.parameters():
+            param.copy_(param.half())  # shipped in fp16; evaluate exactly that
+    return Eagle(head.eval(), vocab, lm_head, coverage, losses, step_s)
+
+
+@torch.no_grad()
+def eagle_agreement(target: LlamaForCausalLM, eagle: Eagle, paths: TargetPaths) -> Agreement:
+    """The head's first draft from the target's own feature, against the target's greedy token (as agreement())."""
+    embed = target.model.embed_tokens.weight
+    figures = {}
+    for name, tokens in paths.tokens.items():
+        features, _ = target_features(target, tokens[:, :-1])
+        n = paths.num_new
+        # the last n positions choose tokens[-n:]; the head drafts each from the feature and token before it
+        feature = features[:, -n - 1 : -1]  # [N, n]
+        predicted = eagle.head(feature, F.embedding(tokens[:, -n - 1 : -1], embed))
+        choice = eagle.vocab[eagle.logits(predicted).argmax(-1)]
+        figures[name] = (choice == paths.choices[name]).float().mean().item()
+    return Agreement(**figures)
+
+
+def save_eagle(eagle: Eagle, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    from spectune.engine.eagle import EagleConfig
+
+    out.mkdir(parents=True)
+    head = eagle.head
+    config = EagleConfig(hidden_size=head.w_out.out_features, head_size=head.w_in.out_features,
+                         intermediate_size=head.down.in_features, draft_vocab_size=len(eagle.vocab), rms_norm_eps=head.eps)
+    (out / "config.json").write_text(config.to_json())
+    tensors = {name: t.detach().half().contiguous() for name, t in head.state_dict().items()}
+    save_file({**tensors, "draft_vocab": eagle.vocab.to(torch.int32)}, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
 @torch.no_grad()
 def round_to_fp16(model: LlamaForCausalLM) -> LlamaForCausalLM:
     """Evaluate (and distil from) exactly the weights that are shipped in fp16. Parameters only:
@@ -339,13 +454,13 @@ def held_out_loss(model: LlamaForCausalLM, held_out: torch.Tensor, seq_len: int,
 # --- the whole run ----------------------------------------------------------------------------
 
 
-def train(out: Path, cfg: TrainConfig, command: str) -> None:
-    """Build tokenizer, target and draft into `out` (replaced as a whole when done)."""
+def train(out: Path, cfg: TrainConfig, command: str, eagle_only: bool = False) -> None:
+    """Build tokenizer, target, draft and EAGLE head into `out` (replaced as a whole when done)."""
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(cfg.threads)
     torch.use_deterministic_algorithms(True)
     try:
-        _build(out, cfg, command)
+        (train_eagle_only if eagle_only else _build)(out, cfg, command)
     finally:  # leave a calling process (a test) as it was
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
@@ -365,6 +480,7 @@ def _build(out: Path, cfg: TrainConfig, command: str) -> None:
 
     target, target_losses, target_step_s = train_target(stream, cfg)
     draft, draft_losses, draft_step_s = train_draft(target, stream, cfg)
+    eagle = train_eagle(target, stream, cfg)
 
     prompts = eval_prompts(held_out, cfg, cfg.seed)
     paths = target_paths(target, prompts, cfg.eval_new_tokens)
@@ -372,6 +488,7 @@ def _build(out: Path, cfg: TrainConfig, command: str) -> None:
     untrained = LlamaForCausalLM(llama_config(cfg.vocab_size, num_layers=1)).eval()
     figures = {
         "draft": agreement(draft, paths),
+        "eagle head (first draft)": eagle_agreement(target, eagle, paths),
         "untrained 1-layer": agreement(untrained, paths),
     }
     shipped_weights = {k: v.half() for k, v in target.state_dict().items() if k != "lm_head.weight"}  # tied
@@ -393,7 +510,42 @@ def _build(out: Path, cfg: TrainConfig, command: str) -> None:
         prompt_text=tokenizer.decode(prompts["code"][0].tolist()),
         sample_text=tokenizer.decode(sample_ids),
     )
-    print(write_assets(out, target, draft, tokenizer, report), flush=True)
+    print(write_assets(out, target, draft, eagle, tokenizer, report), flush=True)
+
+
+def train_eagle_only(out: Path, cfg: TrainConfig, command: str) -> None:
+    """Retrain only the EAGLE head, on the target already in `out` (what a full run would make from it)."""
+    target = LlamaForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval()
+    tokenizer = Tokenizer.from_file(str(out / "target" / "tokenizer.json"))
+    train_files, eval_files = split_corpus(corpus_files(cfg.corpus_mb))
+    stream = encode_stream(tokenizer, read_texts(train_files))
+    eagle = train_eagle(target, stream, cfg)
+    paths = target_paths(target, eval_prompts(encode_stream(tokenizer, read_texts(eval_files)), cfg, cfg.seed), cfg.eval_new_tokens)
+    figures = eagle_agreement(target, eagle, paths)
+    staging = out / f".eagle.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    save_eagle(eagle, staging)
+    (staging / "README.md").write_text(eagle_readme(eagle, figures, cfg, command))
+    shutil.rmtree(out / "eagle", ignore_errors=True)
+    staging.rename(out / "eagle")
+    print((out / "eagle" / "README.md").read_text(), flush=True)
+
+
+def eagle_readme(eagle: Eagle, figures: Agreement, cfg: TrainConfig, command: str) -> str:
+    size = sum(p.numel() for p in eagle.head.parameters())
+    return f"""# EAGLE-style head for the shipped target
+
+Made by `spectune/engine/train.py` (see ../README.md; `{command}` remakes only this dir from ../target).
+A residual SwiGLU MLP on the target's last hidden state and the next token's embedding (spectune/engine/eagle.py):
+head size {cfg.eagle_head_size}, intermediate {cfg.eagle_intermediate_size}, {size / 1e6:.2f} M parameters of its
+own (fp16); embeddings and LM head are the target's, the LM head restricted to the {len(eagle.vocab)} most
+frequent training tokens ({eagle.coverage:.1%} of training tokens). Trained {cfg.eagle_steps} steps (seed
+{cfg.seed + 3}, {eagle.step_s:.2f} s per step) on its own predictions {cfg.eagle_unroll} steps deep; final
+loss {sum(eagle.losses[-20:]) / len(eagle.losses[-20:]):.3f}.
+
+First-draft greedy agreement with the target (as in ../README.md): code {figures.code:.3f}, quote
+{figures.quote:.3f}, random {figures.random:.3f}.
+"""
 
 
 @dataclass(slots=True)
@@ -422,6 +574,8 @@ Made by `spectune/engine/train.py` (no hub, no downloads); this file is written 
   vocab {self.cfg.vocab_size}, tied embeddings, fp16 safetensors.
 - `draft/`: the same shape with 1 layer; embeddings (= tied LM head) copied from the target and frozen,
   the layer warm-started from the target's first layer and trained by distillation (KL to the target).
+- `eagle/`: an EAGLE-style head (spectune/engine/eagle.py) on the target's hidden states, using the target's
+  embeddings and LM head, trained to imitate the target's outputs; its own figures are in `eagle/README.md`.
 - Tokenizer (both dirs, identical): byte-level BPE trained on the Python {sys.version.split()[0]} standard
   library's sources, GPT-2 pre-tokenizer regex, one special token `{EOS}` (id {EOS_ID}, bos = eos).
 - Corpus: the stdlib's `.py` files in sorted order, minus {", ".join(sorted(SKIPPED_DIRS))}; every
@@ -473,7 +627,7 @@ Greedy sample from the target (prompt, then continuation):
 """
 
 
-def write_assets(out: Path, target: LlamaForCausalLM, draft: LlamaForCausalLM, tokenizer: Tokenizer,
+def write_assets(out: Path, target: LlamaForCausalLM, draft: LlamaForCausalLM, eagle: Eagle, tokenizer: Tokenizer,
                  report: RunReport) -> str:
     """Write into a temporary sibling, then swap it in, so readers never see half an asset set.
     Returns the README's text."""
@@ -482,6 +636,9 @@ def write_assets(out: Path, target: LlamaForCausalLM, draft: LlamaForCausalLM, t
     staging.mkdir(parents=True)
     save_model(target, tokenizer, staging / "target")
     save_model(draft, tokenizer, staging / "draft")
+    save_eagle(eagle, staging / "eagle")
+    (staging / "eagle" / "README.md").write_text(
+        eagle_readme(eagle, report.figures["eagle head (first draft)"], report.cfg, report.command + " --eagle-only"))
     readme = report.markdown(sum(p.stat().st_size for p in staging.rglob("*") if p.is_file()))
     (staging / "README.md").write_text(readme)
     old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -504,13 +661,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--corpus-mb", type=float, default=None, help="use only the first N MB of the corpus")
     parser.add_argument("--threads", type=int, default=defaults.threads)
     parser.add_argument("--eval-prompts", type=int, default=defaults.eval_prompts, help="prompts per workload")
+    parser.add_argument("--eagle-only", action="store_true", help="retrain only the EAGLE head, on the target in --out")
+    parser.add_argument("--eagle-steps", type=int, default=defaults.eagle_steps)
     args = parser.parse_args(argv)
     cfg = TrainConfig(
         seed=args.seed, steps=args.steps,
         draft_steps=args.steps // 2 if args.draft_steps is None else args.draft_steps,
         batch_size=args.batch_size, corpus_mb=args.corpus_mb, threads=args.threads, eval_prompts=args.eval_prompts,
+        eagle_steps=args.eagle_steps,
     )
-    train(args.out, cfg, " ".join(["python -m spectune.engine.train", *argv]))
+    command = " ".join(["python -m spectune.engine.train", *argv])
+    train(args.out, cfg, command, eagle_only=args.eagle_only)
 
 
 if __name__ == "__main__":
