@@ -417,3 +417,149 @@ def prediction_vs_measurement(fit: CostFit, cells: pd.DataFrame) -> pd.DataFrame
             }
         )
     return pd.DataFrame(rows)
+
+
+# --- serving cost: what a request-level replay charges ----------------------------------------------------------
+
+
+MIN_STEP_LINES = 10  # logged steps per (batch size, g) below which a median step time is not trusted
+# Requests sent together reach the engine one after another (one event loop takes them in), so an idle engine
+# starts on the first alone: its round logs show a burst of 16 prefilled as 1, then 15. The overhead fitted from
+# TTFT can come out at 0 (the prefill's fixed cost absorbs it); this floor keeps that order.
+MIN_REQUEST_OVERHEAD_MS = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class ServingCost:
+    """Wall time of the engine's steps, for spectune.simulate.simulate_requests: a decode step at batch size bs
+    and g drafts costs decode.t_round(bs, g); a prefill step of prompts p_1..p_B costs fixed + per_token x B x
+    max(p) (the engine pads the admitted prompts to the longest). The server takes requests in one at a time,
+    request_overhead_ms each (HTTP, tokenizing), before the engine sees them; TTFT and e2e include it."""
+
+    decode: RoundCost
+    prefill_fixed_ms: float
+    prefill_per_token_ms: float
+    request_overhead_ms: float
+
+    def t_prefill(self, prompt_tokens: Sequence[int]) -> float:
+        return self.prefill_fixed_ms + self.prefill_per_token_ms * len(prompt_tokens) * max(prompt_tokens)
+
+
+def read_step_log(path) -> pd.DataFrame:
+    """The embedded engine's round log as one row per engine step: kind ("decode" or "prefill"), batch_size,
+    num_steps (decode), padded_tokens (prefill: batch x longest prompt) and wall_ms, the time since the line
+    before, which is the step's whole wall time (schedule, run, hand the tokens out) where the engine cannot
+    have idled in between: always before a decode step (it only idles with nothing running), and before a
+    prefill step when sequences were running (num_running > 0). Elsewhere wall_ms is NaN, as across a restart of
+    the engine (a resumed sweep appends to the log and the clock starts again)."""
+    rows = pd.read_json(path, lines=True, dtype=False)
+    if rows.empty or "prefill" not in rows:
+        raise SpectuneError(f"{path}: no prefill steps logged; sweep again with this spectune version (its engine logs them)")
+    is_prefill = rows["prefill"].fillna(False).astype(bool)
+    gap = rows["t_s"].diff() * 1000.0
+    busy = ~is_prefill | (rows["num_running"].fillna(0) > 0)
+    padded = [len(p) * max(p) if isinstance(p, list) and p else 0 for p in rows.get("prompt_tokens", [None] * len(rows))]
+    return pd.DataFrame({
+        "kind": np.where(is_prefill, "prefill", "decode"),
+        "batch_size": rows["batch_size"].astype(int),
+        "num_steps": rows["num_steps"].fillna(0).astype(int) if "num_steps" in rows else 0,
+        "padded_tokens": padded,
+        "wall_ms": gap.where(busy & (gap > 0)),
+    })
+
+
+def fit_serving_cost(method_steps: pd.DataFrame, target_steps: pd.DataFrame, batch_sizes: Sequence[int],
+                     first_requests: pd.DataFrame) -> ServingCost:
+    """Fit the step costs from step logs (read_step_log) of the method's static servers and of target-only
+    servers, and the request overhead from requests the engine met idle (target-only at batch 1: columns
+    ttft_ms, prompt_tokens).
+
+    Decode: per batch size of the sweep, the median wall of target-only steps (g = 0) and, per measured g, of the
+    method's steps at exactly that batch size, then a line in g (as fit_sweep, a negative slope gives a flat cost).
+    Prefill: least squares of the wall on padded tokens over prefill steps taken while others ran (through the
+    origin if the intercept comes out negative). Overhead: median of TTFT minus the fitted prefill step, at least
+    MIN_REQUEST_OVERHEAD_MS."""
+    decode = pd.concat([method_steps, target_steps])
+    decode = decode[(decode["kind"] == "decode") & decode["wall_ms"].notna()]
+    rows = []
+    for bs in batch_sizes:
+        at_bs = decode[decode["batch_size"] == bs].groupby("num_steps")["wall_ms"].agg(["median", "size"])
+        at_bs = at_bs[at_bs["size"] >= MIN_STEP_LINES]["median"]
+        spec = at_bs[at_bs.index > 0]
+        if 0 not in at_bs.index or spec.empty:
+            continue
+        g, t, t0 = spec.index.to_numpy(float), spec.to_numpy(float), float(at_bs[0])
+        if len(g) >= 2 and (line := _line_fit(g, t))[1] >= 0:
+            fixed, slope = line[0] - t0, line[1]
+        elif len(g) >= 2:
+            fixed, slope = float(t.mean()) - t0, 0.0
+        else:  # one step count: no slope to fit, so no fixed draft cost
+            slope = max(0.0, float((t[0] - t0) / g[0]))
+            fixed = float(t[0]) - t0 - slope * g[0]
+        rows.append((int(bs), t0, float(fixed), float(slope)))
+    if not rows:
+        raise SpectuneError(f"round logs: no batch size has {MIN_STEP_LINES}+ logged decode steps of both target-only and the "
+                            "speculative method; sweep both on the embedded engine")
+    bss, target, fixed, per_step = zip(*rows)
+    prefill = method_steps[(method_steps["kind"] == "prefill") & method_steps["wall_ms"].notna()]
+    if len(prefill) < 3:
+        raise SpectuneError("round logs: fewer than 3 prefill steps taken while other sequences ran; sweep batch sizes above 1")
+    x, y = prefill["padded_tokens"].to_numpy(float), prefill["wall_ms"].to_numpy(float)
+    pre_fixed, per_token = _line_fit(x, y)[:2]
+    if pre_fixed < 0:
+        pre_fixed, per_token = 0.0, float(x @ y / (x @ x))
+    overhead = first_requests["ttft_ms"] - (pre_fixed + per_token * first_requests["prompt_tokens"])
+    return ServingCost(
+        decode=RoundCost(batch_sizes=bss, target_ms=target, draft_fixed_ms=fixed, per_step_ms=per_step),
+        prefill_fixed_ms=float(pre_fixed),
+        prefill_per_token_ms=float(per_token),
+        request_overhead_ms=max(MIN_REQUEST_OVERHEAD_MS, float(overhead.median()) if overhead.notna().any() else 0.0),
+    )
+
+
+def fit_round_acceptance(accepted: np.ndarray, steps: np.ndarray) -> AcceptanceProfile:
+    """Per-position acceptance from request-rounds: drafts accepted in each round and the g it ran at.
+    S_i = P(accepted >= i) over rounds with g >= i (chain drafting: it does not depend on g); a_i = S_i / S_{i-1}."""
+    survival = []
+    for i in range(1, int(steps.max(initial=0)) + 1):
+        ran = steps >= i
+        if not ran.any():
+            break
+        survival.append(float((accepted[ran] >= i).mean()))
+    if not survival:
+        raise SpectuneError("acceptance: no speculative request-rounds to fit from")
+    s = np.asarray(survival)
+    prev = np.concatenate([[1.0], s[:-1]])
+    rates = np.divide(s, prev, out=np.zeros_like(s), where=prev > 0)
+    return AcceptanceProfile(tuple(float(r) for r in rates), "request_rounds")
+
+
+POSITION_BUCKET_TOKENS = 8  # output tokens per stretch with its own acceptance
+MIN_BUCKET_ROUNDS = 30  # request-rounds below which a stretch takes the whole output's acceptance
+
+
+@dataclass(frozen=True, slots=True)
+class PositionalAcceptance:
+    """Acceptance that changes along a request's output (an n-gram proposer finds nothing to copy in the first
+    tokens of a quote, then everything): by_bucket[k] holds for rounds that start after k x bucket_tokens ..
+    (k+1) x bucket_tokens - 1 output tokens, the last one beyond."""
+
+    by_bucket: tuple[AcceptanceProfile, ...]
+    bucket_tokens: int = POSITION_BUCKET_TOKENS
+
+    def rate_matrix(self, num_positions: int, horizon: int) -> np.ndarray:
+        """[P, H]: a_1..a_H for a round starting after p = 0..P-1 output tokens."""
+        bucket = np.minimum(np.arange(num_positions) // self.bucket_tokens, len(self.by_bucket) - 1)
+        return np.stack([self.by_bucket[b].rate_vector(horizon) for b in bucket])
+
+
+def fit_positional_acceptance(accepted: np.ndarray, steps: np.ndarray, positions: np.ndarray) -> PositionalAcceptance:
+    """Acceptance per stretch of the output from request-rounds (accepted drafts, the g each ran at, output tokens
+    before it); a stretch with fewer than MIN_BUCKET_ROUNDS rounds takes the acceptance of all rounds."""
+    whole = fit_round_acceptance(accepted, steps)
+    bucket = positions // POSITION_BUCKET_TOKENS
+    by_bucket = [
+        fit_round_acceptance(accepted[bucket == b], steps[bucket == b]) if (bucket == b).sum() >= MIN_BUCKET_ROUNDS else whole
+        for b in range(int(bucket.max(initial=0)) + 1)
+    ]
+    return PositionalAcceptance(tuple(by_bucket))

@@ -1,6 +1,7 @@
-"""Replay a trace of verify rounds through a step policy and charge the fitted round cost.
+"""Simulate step policies: on traces of verify rounds (simulate, for throughput) or on replayed traffic through
+the embedded engine's loop (simulate_requests, for what requests experience: TTFT, TPOT, e2e).
 
-A trace holds, per round, the batch and for every request how many drafts WOULD be accepted at the
+simulate: a trace holds, per round, the batch and for every request how many drafts WOULD be accepted at the
 trace's horizon K (bonus excluded). Chain drafting makes smaller step counts exact: at g <= K a request
 accepts min(accepted_K, g) drafts and gains that + 1 tokens; at g = 0 it gains 1.
 
@@ -16,12 +17,15 @@ or a batch-size stretch, long enough for a ratio of sums to be a fair rate); a w
 tokens its rounds yield at the horizon K, a fixed amount the policy produces at its own rate in that
 window (tokens / ms over the window's rounds). tokens/s = total work / total time; mean TPOT = the
 work-weighted mean over windows of sum(batch x round ms) / tokens. Counting rounds instead would charge a
-policy for time spent at small batch sizes whatever it yields there.
+policy for time spent at small batch sizes whatever it yields there. It has no arrivals, queueing or
+prefills, so it says nothing of TTFT or e2e: simulate_requests does (its section below).
 """
 
 from __future__ import annotations
 
+import heapq
 import json
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from spectune.adaptive import AdaptiveConfig, AdaptivePolicy
-from spectune.costmodel import AcceptanceProfile, RoundCost
+from spectune.costmodel import AcceptanceProfile, PositionalAcceptance, RoundCost, ServingCost
 from spectune.errors import SpectuneError
 
 
@@ -138,6 +142,9 @@ class SimResult:
     work_tokens: int  # the trace's work: tokens at horizon K, the same for every policy
     time_ms: float  # time the policy needs for that work
     timeline: pd.DataFrame  # per round: round, batch_size, steps, tokens, round_ms, phase
+
+    def figures(self) -> dict[str, float]:
+        return {"tokens/s": self.tokens_per_s, "TPOT ms": self.mean_tpot_ms}
 
 
 def simulate(trace: Trace, policy: Policy, cost: RoundCost) -> SimResult:
@@ -252,6 +259,8 @@ def trace_from_round_log(
         for number, line in enumerate(f, 1):
             try:
                 row = json.loads(line)
+                if row.get("prefill"):  # a prefill step (spectune.costmodel.read_step_log reads those)
+                    continue
                 rounds.append((int(row["num_steps"]), list(row["proposed"]), list(row["accepted"])))
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 raise SpectuneError(f"{path}:{number}: not a round record ({e}); expected num_steps, proposed, accepted") from None
@@ -341,3 +350,221 @@ def window_profiles(trace: Trace, window: int = 50) -> list[AcceptanceProfile]:
         rates = np.divide(survival, prev, out=np.zeros_like(survival), where=prev > 0)
         out.append(AcceptanceProfile(tuple(float(r) for r in rates)))
     return out
+
+
+# --- request-level replay -----------------------------------------------------------------------------------
+#
+# What a request experiences: the traffic is sent as the load generator sends it and the embedded engine's loop
+# (spectune/engine: EngineThread._run, Scheduler.schedule) is replayed step by step on the fitted step costs.
+# - Client: requests go in list order, each at its arrival offset and only while fewer than max_concurrency are
+#   in flight (else when one finishes); its clock (TTFT, e2e) starts when it is sent, as the load generator's.
+# - The server takes requests in one at a time (one event loop parses and tokenizes them), request_overhead_ms
+#   each: a request reaches the engine that long after its send or after the one before it reached the engine,
+#   whichever is later; so a burst trickles in and the engine prefills its first request alone. Before every step
+#   the engine takes in all that have reached it; with nothing waiting or running it idles until the next one does.
+# - A step either prefills or decodes. Prefill: while requests wait and fewer than max_num_seqs run, admit
+#   them first come first served (after the first, only while the next prompt fits in what is left of
+#   max_prefill_tokens); each gains its first token when the step ends. Otherwise every running request decodes:
+#   the policy picks g for the batch; a request that has p output tokens accepts min(accepted at the horizon at p, g)
+#   drafts and gains that + 1 tokens (cut at its output length); the policy is fed the accepted drafts, as the
+#   engine does.
+# - A request finishes (frees its engine slot and its client slot) at the end of the step that completes it.
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Traffic:
+    """What the load generator sends: per request its arrival offset, prompt and output tokens, and the group
+    (workload phase) whose acceptance it draws from; max_concurrency caps the requests in flight (None: no cap)."""
+
+    name: str
+    arrival_ms: np.ndarray  # [N] float, non-decreasing
+    prompt_tokens: np.ndarray  # [N] int >= 1
+    output_tokens: np.ndarray  # [N] int >= 1
+    groups: tuple[str, ...]  # [N]
+    max_concurrency: int | None = None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.arrival_ms)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class AcceptanceDraws:
+    """accepted[i, p]: drafts request i accepts in a round that starts after p output tokens, at `horizon` drafts
+    (chain drafting: min(accepted, g) at g <= horizon). Indexed by output position, not by round, so that every
+    policy meets the same requests: under greedy decoding the text, and so what drafts match, is the same."""
+
+    horizon: int
+    accepted: np.ndarray  # [N, P] int, P >= the largest output length
+
+
+def draw_acceptance(traffic: Traffic, profiles: dict[str, PositionalAcceptance], horizon: int, seed: int) -> AcceptanceDraws:
+    """Every request's accepted drafts at every output position, drawn (seeded) from its group's acceptance there."""
+    missing = sorted(set(traffic.groups) - set(profiles))
+    if missing:
+        raise SpectuneError(f"traffic {traffic.name}: no acceptance for group(s) {', '.join(missing)}; give a profile for each")
+    rng = np.random.default_rng(seed)
+    positions = int(traffic.output_tokens.max())
+    draws = rng.random((traffic.num_requests, positions, horizon))  # [N, P, H]
+    by_group = {g: profiles[g].rate_matrix(positions, horizon) for g in set(traffic.groups)}  # [P, H] each
+    rates = np.stack([by_group[g] for g in traffic.groups])  # [N, P, H]
+    accepted = np.cumprod(draws < rates, axis=2).sum(axis=2)  # [N, P]: leading accepted drafts
+    return AcceptanceDraws(horizon=horizon, accepted=accepted)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RequestSimResult:
+    policy: str
+    requests: pd.DataFrame  # per request: group, arrival/send/first_token/finish ms, ttft/tpot/e2e ms, tokens, rounds
+    steps: pd.DataFrame  # per engine step: start_ms, kind, batch_size, steps, tokens, ms
+
+    @property
+    def ttft_ms(self) -> float:
+        return float(self.requests["ttft_ms"].mean())
+
+    @property
+    def tpot_ms(self) -> float:
+        """Mean over requests of (e2e - TTFT) / (output tokens - 1), as spectune.analysis computes it."""
+        return float(self.requests["tpot_ms"].mean())
+
+    @property
+    def e2e_ms(self) -> float:
+        return float(self.requests["e2e_ms"].mean())
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Output tokens / (last finish - first send), as spectune.analysis's output_throughput_tps."""
+        span = self.requests["finish_ms"].max() - self.requests["send_ms"].min()
+        return float(self.requests["output_tokens"].sum() * 1000.0 / span)
+
+    def figures(self) -> dict[str, float]:
+        return {"TTFT ms": self.ttft_ms, "TPOT ms": self.tpot_ms, "e2e ms": self.e2e_ms, "tokens/s": self.tokens_per_s}
+
+
+def simulate_requests(
+    traffic: Traffic,
+    policy: Policy,
+    cost: ServingCost,
+    draws: AcceptanceDraws,
+    *,
+    max_num_seqs: int,
+    max_prefill_tokens: int = 8192,
+) -> RequestSimResult:
+    """Replay `traffic` through the engine loop under `policy` (see the section comment); pure and deterministic."""
+    n = traffic.num_requests
+    prompt, output = traffic.prompt_tokens, traffic.output_tokens
+    live = _LiveSteps(policy, cost.decode, draws.horizon)
+    send, ready, first, finish = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
+    generated, rounds = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    client_free = [0.0] * traffic.max_concurrency if traffic.max_concurrency else None  # heap: when each slot frees
+    inbox: deque[int] = deque()  # sent, not yet taken in by the engine
+    waiting: deque[int] = deque()
+    running: list[int] = []
+    steps: list[tuple[float, str, int, int, int, float]] = []
+    next_send, done, t = 0, 0, 0.0
+
+    def end(i: int) -> None:
+        finish[i] = t
+        running.remove(i)
+        if client_free is not None:
+            heapq.heappush(client_free, t)
+
+    while done < n:
+        while next_send < n and (client_free is None or client_free):  # the client sends all it may by now
+            at = max(traffic.arrival_ms[next_send], send[next_send - 1] if next_send else 0.0)
+            send[next_send] = max(at, heapq.heappop(client_free)) if client_free is not None else at
+            ready[next_send] = max(send[next_send], ready[next_send - 1] if next_send else 0.0) + cost.request_overhead_ms
+            inbox.append(next_send)
+            next_send += 1
+        while inbox and ready[inbox[0]] <= t:
+            waiting.append(inbox.popleft())
+        if not waiting and not running:
+            t = ready[inbox[0]]  # idle until the next request reaches the engine
+            continue
+        start = t
+        admitted: list[int] = []
+        budget = max_prefill_tokens
+        while waiting and len(running) < max_num_seqs and (not admitted or prompt[waiting[0]] <= budget):
+            admitted.append(waiting.popleft())
+            budget -= prompt[admitted[-1]]
+            running.append(admitted[-1])
+        if admitted:
+            t += cost.t_prefill(prompt[admitted].tolist())
+            first[admitted] = t
+            generated[admitted] = 1
+            steps.append((start, "prefill", len(admitted), 0, len(admitted), t - start))
+            for i in admitted:
+                if output[i] <= 1:
+                    end(i)
+                    done += 1
+            continue
+        batch = np.array(running)  # [B]
+        at_horizon = draws.accepted[batch, generated[batch]]  # [B]
+        remaining = output[batch] - generated[batch]
+        g = live.choose(at_horizon, remaining)
+        accepted = np.minimum(at_horizon, g)
+        gained = np.minimum(accepted + 1, remaining)
+        t += cost.decode.t_round(len(batch), g)
+        generated[batch] += gained
+        rounds[batch] += 1
+        live.feedback(accepted.tolist(), len(batch))
+        steps.append((start, "decode", len(batch), g, int(gained.sum()), t - start))
+        for i in batch[generated[batch] >= output[batch]].tolist():
+            end(i)
+            done += 1
+    ttft, e2e = first - send, finish - send
+    requests = pd.DataFrame({
+        "group": list(traffic.groups),
+        "arrival_ms": traffic.arrival_ms,
+        "send_ms": send,
+        "first_token_ms": first,
+        "finish_ms": finish,
+        "ttft_ms": ttft,
+        "tpot_ms": np.where(output > 1, (e2e - ttft) / np.maximum(output - 1, 1), np.nan),
+        "e2e_ms": e2e,
+        "prompt_tokens": prompt,
+        "output_tokens": output,
+        "decode_rounds": rounds,
+    })
+    timeline = pd.DataFrame(steps, columns=["start_ms", "kind", "batch_size", "steps", "tokens", "ms"])
+    return RequestSimResult(policy=policy.label, requests=requests, steps=timeline)
+
+
+class _LiveSteps:
+    """A policy's step choice during one replay: fresh state (the adaptive policy's EMA and counters) per replay."""
+
+    def __init__(self, policy: Policy, cost: RoundCost, horizon: int):
+        self.policy, self.cost, self.horizon = policy, cost, horizon
+        self.adaptive = None
+        if isinstance(policy, AdaptiveConfigPolicy):
+            graph_bs = None if policy.cuda_graph_bs is None else list(policy.cuda_graph_bs)
+            self.adaptive = AdaptivePolicy.from_config(policy.config, policy.initial_steps, cuda_graph_bs=graph_bs)
+
+    def choose(self, at_horizon: np.ndarray, remaining: np.ndarray) -> int:
+        bs = len(at_horizon)
+        match self.policy:
+            case StaticPolicy(steps=g):
+                pass
+            case SchedulePolicy():
+                g = self.policy.steps_for_batch(bs)
+            case AdaptiveConfigPolicy():
+                g = self.adaptive.steps_for_batch(bs)
+            case OraclePolicy(candidate_steps=candidates):
+                g = self._greedy(at_horizon, remaining, candidates or tuple(range(self.horizon + 1)))
+            case _:
+                raise TypeError(f"not a policy: {self.policy!r}")
+        if g > self.horizon:
+            raise SpectuneError(f"acceptance is drawn up to {self.horizon} steps but {self.policy.label} chose {g}; "
+                                "draw it with a larger horizon")
+        return g
+
+    def feedback(self, accepted: list[int], batch_size: int) -> None:
+        if self.adaptive is not None:
+            self.adaptive.on_verify_complete(accepted, batch_size)
+
+    def _greedy(self, at_horizon: np.ndarray, remaining: np.ndarray, candidates: tuple[int, ...]) -> int:
+        """The oracle of a replay: the g that yields the most tokens per ms in this step (a reference, not a bound:
+        with queueing no choice of one step is best for the requests' latency)."""
+        steps = np.array(candidates)  # [G]
+        tokens = np.minimum(np.minimum(at_horizon[None, :], steps[:, None]) + 1, remaining[None, :]).sum(axis=1)  # [G]
+        return int(steps[np.argmax(tokens / self.cost.t_round(len(at_horizon), steps))])

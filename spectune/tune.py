@@ -1,12 +1,22 @@
-"""Search SGLang adaptive configs with Optuna, scored by simulating them on the sweep's traces; write the
-tuned configs and tuning.json.
+"""Search SGLang adaptive configs with Optuna, scored by simulating them on the sweep's traces or on replayed
+traffic; write the tuned configs and tuning.json.
 
-Score: speedup over target-only, the geometric mean over the traces of tokens/s ratios (objective
-"throughput") or of mean-TPOT ratios ("latency"). Traces: the round log of the fitted method's largest
-static step count (embedded engine), a synthetic phase-shifting trace (acceptance alternating between
-the best and worst measured workload, or the best and worst stretches of the round log, while the batch
-size steps through the measured ones) and, without a round log, a synthetic closed-loop trace per
-workload. Slots route unpadded, as SGLang 0.5.23 does unless launched with --cuda-graph-bs-decode.
+Objectives "throughput" and "latency" score decode rounds (spectune.simulate.simulate): speedup over
+target-only, the geometric mean over the traces of tokens/s ratios or of mean-TPOT ratios. Traces: the round
+log of the fitted method's largest static step count (embedded engine), a synthetic phase-shifting trace
+(acceptance alternating between the best and worst measured workload, or the best and worst stretches of the
+round log, while the batch size steps through the measured ones) and, without a round log, a synthetic
+closed-loop trace per workload.
+
+Objectives "ttft", "tpot" and "e2e" score what requests experience (spectune.simulate.simulate_requests):
+the traffic (default: the sweep's workload, all of it, sent on its arrival_s with at most the sweep's largest
+batch size in flight, each request writing the plan's max_tokens) replayed through the embedded engine's
+loop on step costs fitted from its round logs (costmodel.fit_serving_cost), with every request-round's
+acceptance drawn from its workload phase's (tag's) per-position acceptance, measured on the sweep's streamed
+chunks (one chunk per request and round). Score: target-only's mean metric over the policy's, the geometric
+mean over REPLAY_SEEDS acceptance draws. Needs an embedded-engine sweep whose round logs hold prefill steps.
+
+Slots route unpadded, as SGLang 0.5.23 does unless launched with --cuda-graph-bs-decode.
 
 Scaling out: the study is named after the run, the method and the objective and lives in an Optuna RDB
 storage (default sqlite:///<RESULTS_DIR>/study.db). On each node, `spectune tune DIR --storage postgresql://...
@@ -31,7 +41,18 @@ import numpy as np
 import pandas as pd
 
 from spectune.adaptive import AGGRESSIVE_PRESET, CONSERVATIVE_PRESET, SGLANG_DEFAULT_CONFIG, AdaptiveConfig, SlotConfig
-from spectune.costmodel import CostFit, breakeven_batch_size, fit_sweep, prediction_vs_measurement, recommend
+from spectune.costmodel import (
+    CostFit,
+    PositionalAcceptance,
+    ServingCost,
+    breakeven_batch_size,
+    fit_positional_acceptance,
+    fit_serving_cost,
+    fit_sweep,
+    prediction_vs_measurement,
+    read_step_log,
+    recommend,
+)
 from spectune.emit import (
     MODEL_FREE_METHODS,
     NEEDS_MODEL,
@@ -45,23 +66,30 @@ from spectune.emit import (
 )
 from spectune.errors import SpectuneError
 from spectune.simulate import (
+    AcceptanceDraws,
     AdaptiveConfigPolicy,
     OraclePolicy,
     Phase,
     Policy,
+    RequestSimResult,
     SchedulePolicy,
     SimResult,
     StaticPolicy,
     Trace,
+    Traffic,
+    draw_acceptance,
     phase_shifting_trace,
     simulate,
+    simulate_requests,
     synthesize_trace,
     trace_from_round_log,
     window_profiles,
 )
-from spectune.store import atomic_write_bytes, load_run
+from spectune.store import Run, atomic_write_bytes, cell_id, load_run
 
-OBJECTIVES = ("throughput", "latency")
+OBJECTIVES = ("throughput", "latency", "ttft", "tpot", "e2e")
+REQUEST_METRICS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2e": "e2e_ms"}  # replay objectives -> RequestSimResult figure
+REPLAY_SEEDS = 3  # acceptance draws per replay: a config must win on more than one draw's luck
 CEILINGS = (0.0, 1.2, 1.67, 2.0, 3.0)  # 0 = off; the others as in SGLang's presets
 PRESETS = {"sglang_default": SGLANG_DEFAULT_CONFIG, "conservative": CONSERVATIVE_PRESET, "aggressive": AGGRESSIVE_PRESET}
 
@@ -78,6 +106,8 @@ class TuneOptions:
     out_dir: Path | None = None  # None = <results_dir>/tuned
     draft_model: str | None = None  # for the vLLM / llama.cpp outputs; default: the sweep plan's
     method: str | None = None  # the speculative method to tune; None = the one with most usable cells
+    traffic: str | None = None  # replay objectives: workload name or file with arrival_s; None = the sweep's
+    max_concurrency: int | None = None  # replay objectives: requests in flight and engine slots; None = the sweep's largest batch size
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +153,23 @@ class SearchSpace:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Score:
-    speedup: float  # geometric mean over traces, vs target-only
-    results: dict[str, SimResult]  # per trace
+    speedup: float  # geometric mean over traces (or acceptance draws), vs target-only
+    figures: dict[str, dict[str, float]]  # per trace or replayed traffic: tokens/s, TPOT ms (TTFT ms, e2e ms)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Replay:
+    """The replay objectives' bench: traffic, its serving cost and acceptance draws, and the engine's slots."""
+
+    traffic: Traffic
+    cost: ServingCost
+    profiles: dict[str, PositionalAcceptance]  # per traffic group
+    draws: tuple[AcceptanceDraws, ...]
+    max_num_seqs: int
+
+    def run(self, policy: Policy) -> dict[str, RequestSimResult]:
+        return {f"{self.traffic.name} #{k}": simulate_requests(self.traffic, policy, self.cost, d, max_num_seqs=self.max_num_seqs)
+                for k, d in enumerate(self.draws)}
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -132,18 +177,27 @@ class Bench:
     """Everything a trial needs, rebuilt identically (seeded) on every worker."""
 
     fit: CostFit
-    traces: tuple[Trace, ...]
-    baselines: dict[str, SimResult]  # target-only per trace
+    traces: tuple[Trace, ...]  # throughput / latency objectives
+    replay: Replay | None  # ttft / tpot / e2e objectives
+    baselines: dict[str, SimResult | RequestSimResult]  # target-only per trace or acceptance draw
     objective: str
     space: SearchSpace
+    horizon: int  # the largest step count acceptance is known for
+
+    def run(self, policy: Policy) -> dict[str, SimResult | RequestSimResult]:
+        if self.replay is not None:
+            return self.replay.run(policy)
+        return {t.name: simulate(t, policy, self.fit.cost) for t in self.traces}
 
     def score(self, policy: Policy) -> Score:
-        results = {t.name: simulate(t, policy, self.fit.cost) for t in self.traces}
-        ratios = [
-            r.tokens_per_s / self.baselines[name].tokens_per_s if self.objective == "throughput" else self.baselines[name].mean_tpot_ms / r.mean_tpot_ms
-            for name, r in results.items()
-        ]
-        return Score(math.exp(sum(math.log(x) for x in ratios) / len(ratios)), results)
+        results = self.run(policy)
+        ratios = [_gain(self.objective, self.baselines[name], r) for name, r in results.items()]
+        if self.replay is None:
+            figures = {name: r.figures() for name, r in results.items()}
+        else:  # one set of figures: the mean over the acceptance draws
+            per_draw = pd.DataFrame([r.figures() for r in results.values()])
+            figures = {self.replay.traffic.name: per_draw.mean().to_dict()}
+        return Score(math.exp(sum(math.log(x) for x in ratios) / len(ratios)), figures)
 
     def adaptive(self, cfg: AdaptiveConfig, name: str = "adaptive") -> AdaptiveConfigPolicy:
         return AdaptiveConfigPolicy(cfg, initial_steps=sglang_launch_steps(cfg), cuda_graph_bs=(), name=name)
@@ -159,11 +213,21 @@ class TuneOutcome:
     files: list[Path] = field(default_factory=list)
 
 
+def _gain(objective: str, base: SimResult | RequestSimResult, result: SimResult | RequestSimResult) -> float:
+    """How many times better than target-only `result` is on the objective (> 1: better)."""
+    if objective == "throughput":
+        return result.tokens_per_s / base.tokens_per_s
+    if objective == "latency":
+        return base.mean_tpot_ms / result.mean_tpot_ms
+    metric = REQUEST_METRICS[objective]
+    return getattr(base, metric) / getattr(result, metric)
+
+
 def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcome:
     if options.objective not in OBJECTIVES:
         raise SpectuneError(f"--objective {options.objective!r}: must be one of {', '.join(OBJECTIVES)}")
-    cells, manifest, round_logs = load_results(options.results_dir)
-    bench = make_bench(cells, round_logs, options.objective, options.seed, options.method)
+    run = load_results(options.results_dir)
+    bench = make_bench(run, options.objective, options.seed, options.method, options.traffic, options.max_concurrency)
     storage = options.storage or f"sqlite:///{Path(options.results_dir).resolve() / 'study.db'}"
     study_name = f"spectune-{Path(options.results_dir).resolve().name}-{bench.fit.method}-{options.objective}"
     study = open_study(storage, study_name, seed=options.seed + (os.getpid() if options.worker else 0))
@@ -175,29 +239,129 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcom
     log(f"study {study_name}: {outcome.num_complete} complete, {outcome.num_failed} failed trials")
     if not options.worker:
         outdir = options.out_dir or Path(options.results_dir) / "tuned"
-        outcome.summary, outcome.files = finalize(study, bench, cells, manifest, options, outdir, outcome, log)
+        outcome.summary, outcome.files = finalize(study, bench, run.cells, run.manifest, options, outdir, outcome, log)
     return outcome
 
 
-def load_results(results_dir: str | Path) -> tuple[pd.DataFrame, dict, dict[str, Path]]:
-    """cells, manifest and round logs of a results directory (spectune.store's layout)."""
+def load_results(results_dir: str | Path) -> Run:
+    """A closed-loop sweep's results directory (spectune.store's layout)."""
     run = load_run(results_dir)
     if run.cells.empty:
         raise SpectuneError(f"{results_dir}: no finished cells; run `spectune sweep` first (or let it finish)")
     if run.manifest.get("plan", {}).get("schedule", "closed") != "closed":
         raise SpectuneError(f"{results_dir}/run.json: schedule is {run.manifest['plan']['schedule']!r}, where batch size is only a cap; "
                             "tune from a closed-loop sweep (schedule = \"closed\"), which measures each batch size")
-    return run.cells, run.manifest, run.round_logs
+    return run
 
 
-def make_bench(cells: pd.DataFrame, round_logs: dict[str, Path], objective: str, seed: int, method: str | None = None) -> Bench:
-    fit = fit_sweep(cells, method=method)
+def make_bench(run: Run, objective: str, seed: int, method: str | None = None, traffic: str | None = None,
+               max_concurrency: int | None = None) -> Bench:
+    fit = fit_sweep(run.cells, method=method)
     preset_steps = max(s for cfg in PRESETS.values() for slot in cfg.slots.values() for s in slot.candidate_steps)
     horizon = max(fit.max_steps, preset_steps)
-    traces = _traces(fit, cells, round_logs, horizon, seed)
-    baselines = {t.name: simulate(t, StaticPolicy(0), fit.cost) for t in traces}
     space = SearchSpace(batch_sizes=fit.cost.batch_sizes, steps=tuple(range(fit.max_steps + 1)))
-    return Bench(fit=fit, traces=tuple(traces), baselines=baselines, objective=objective, space=space)
+    if objective in REQUEST_METRICS:
+        replay = make_replay(run, fit, horizon, seed, traffic, max_concurrency)
+        return Bench(fit=fit, traces=(), replay=replay, baselines=replay.run(StaticPolicy(0)), objective=objective, space=space,
+                     horizon=horizon)
+    traces = _traces(fit, run.cells, run.round_logs, horizon, seed)
+    baselines = {t.name: simulate(t, StaticPolicy(0), fit.cost) for t in traces}
+    return Bench(fit=fit, traces=tuple(traces), replay=None, baselines=baselines, objective=objective, space=space, horizon=horizon)
+
+
+def make_replay(run: Run, fit: CostFit, horizon: int, seed: int, traffic_source: str | None = None,
+                max_concurrency: int | None = None) -> Replay:
+    """The replay bench of a sweep: its traffic, serving cost and acceptance by workload phase (module docstring).
+    At most max_concurrency requests in flight (default: the sweep's largest batch size), and as many engine slots:
+    a trace-schedule sweep launches the engine with --max-num-seqs = its cap on requests in flight."""
+    plan = run.manifest.get("plan", {})
+    max_num_seqs = max_concurrency or max(plan.get("batch_sizes") or fit.cost.batch_sizes)
+    traffic = replay_traffic(run, traffic_source or plan["workload"], max_num_seqs)
+    profiles = phase_acceptance(run, fit)
+    pooled = profiles.pop("")
+    profiles = {g: profiles.get(g, pooled) for g in set(traffic.groups)}
+    draws = tuple(draw_acceptance(traffic, profiles, horizon, seed + k) for k in range(REPLAY_SEEDS))
+    return Replay(traffic=traffic, cost=serving_cost(run, fit), profiles=profiles, draws=draws, max_num_seqs=max_num_seqs)
+
+
+def _prompt_key(request) -> str:
+    """The prompt text as the sweep stores it per request (spectune.sweep)."""
+    return request.prompt if request.prompt is not None else "\n".join(f"{role}: {text}" for role, text in request.messages or ())
+
+
+def replay_traffic(run: Run, source: str, max_concurrency: int) -> Traffic:
+    """The requests of `source` on their arrival_s, each writing the plan's max_tokens. Prompt tokens are what the
+    sweep's server counted for the same prompt; prompts it never saw are estimated from their length in characters
+    at the sweep's median tokens per character."""
+    from spectune.workload import load_requests
+
+    plan = run.manifest.get("plan", {})
+    requests = load_requests(source, max_tokens=plan.get("max_tokens"))
+    if any(r.arrival_s is None for r in requests):
+        raise SpectuneError(f"traffic {source}: requests without arrival_s; replay objectives need a workload with arrival_s on every line")
+    measured = run.requests.dropna(subset=["prompt_tokens"]) if "prompt" in run.requests else pd.DataFrame()
+    if measured.empty:
+        raise SpectuneError(f"{run.root}: no per-request prompt tokens recorded; sweep again with this spectune version")
+    tokens = measured.groupby("prompt")["prompt_tokens"].median()
+    per_char = float((tokens / tokens.index.str.len()).median())
+    keys = [_prompt_key(r) for r in requests]
+    prompt_tokens = [int(tokens[k]) if k in tokens.index else max(1, round(len(k) * per_char)) for k in keys]
+    return Traffic(
+        name=Path(str(source)).stem,
+        arrival_ms=np.array([r.arrival_s * 1000.0 for r in requests]),
+        prompt_tokens=np.array(prompt_tokens, dtype=np.int64),
+        output_tokens=np.array([r.max_tokens for r in requests], dtype=np.int64),
+        groups=tuple(r.tag or "" for r in requests),
+        max_concurrency=max_concurrency,
+    )
+
+
+def _static_cells(run: Run, fit: CostFit) -> pd.DataFrame:
+    cells = run.cells[(run.cells["status"] == "ok") & (run.cells["engine"] == fit.engine) & run.cells["adaptive_config"].isna()]
+    return cells.assign(cell=[cell_id(s, b, r) for s, b, r in zip(cells["server"], cells["batch_size"], cells["repeat"])])
+
+
+def phase_acceptance(run: Run, fit: CostFit) -> dict[str, PositionalAcceptance]:
+    """Per-position acceptance along the output per workload phase (request tag) of the fitted method's static
+    cells, from their streamed chunks: the first carries the prefill's token, the last may be cut at max_tokens,
+    and every other carries one decode round's accepted drafts + 1. Key "" pools every phase."""
+    from spectune.workload import load_requests
+
+    cells = _static_cells(run, fit)
+    cells = cells[(cells["method"] == fit.method) & (cells["num_speculative_tokens"] > 0)]
+    rows = run.requests[run.requests["cell"].isin(cells["cell"]) & run.requests["error"].isna()]
+    tags = {_prompt_key(r): r.tag for r in load_requests(run.manifest["plan"]["workload"])}
+    steps_of = cells.set_index("cell")["num_speculative_tokens"].astype(int)
+    accepted, steps, positions, groups = [], [], [], []
+    for cell, prompt, chunks in zip(rows["cell"], rows["prompt"], rows["chunk_tokens"]):
+        chunks = np.asarray(chunks, dtype=np.int64)
+        accepted.append(np.clip(chunks[1:-1] - 1, 0, steps_of[cell]))
+        steps.append(np.full(len(chunks[1:-1]), steps_of[cell]))
+        positions.append(np.cumsum(chunks)[:-2])  # output tokens before each of those rounds
+        groups.append(np.full(len(chunks[1:-1]), tags.get(prompt, ""), dtype=object))
+    if not accepted:
+        raise SpectuneError(f"{run.root}: no streamed requests of static {fit.method} cells to measure acceptance on")
+    accepted, steps, positions, groups = map(np.concatenate, (accepted, steps, positions, groups))
+    fit_group = lambda rows: fit_positional_acceptance(accepted[rows], steps[rows], positions[rows])
+    profiles = {g: fit_group(groups == g) for g in set(groups) if g}
+    profiles[""] = fit_group(np.ones(len(groups), dtype=bool))
+    return profiles
+
+
+def serving_cost(run: Run, fit: CostFit) -> ServingCost:
+    """Step costs from the round logs of the fitted method's static servers and the target-only servers; request
+    overhead from target-only requests at the smallest batch size (the engine idle when each arrives)."""
+    cells = _static_cells(run, fit)
+    target = cells[~cells["is_speculative"].astype(bool)]
+    method = cells[(cells["method"] == fit.method) & (cells["num_speculative_tokens"] > 0)]
+    logs = lambda servers: [read_step_log(run.round_logs[s]) for s in sorted(set(servers)) if s in run.round_logs]
+    method_logs, target_logs = logs(method["server"]), logs(target["server"])
+    if not method_logs or not target_logs:
+        raise SpectuneError(f"{run.root}: replay objectives need the embedded engine's round logs of target-only and "
+                            f"static {fit.method} servers; use --objective throughput or latency for other engines")
+    lowest = target[target["batch_size"] == target["batch_size"].min()]
+    first = run.requests[run.requests["cell"].isin(lowest["cell"]) & run.requests["error"].isna()]
+    return fit_serving_cost(pd.concat(method_logs), pd.concat(target_logs), fit.cost.batch_sizes, first)
 
 
 def _traces(fit: CostFit, cells: pd.DataFrame, round_logs: dict[str, Path], horizon: int, seed: int) -> list[Trace]:
@@ -307,7 +471,7 @@ def run_trials(study, space: SearchSpace, evaluate: Callable[[AdaptiveConfig], S
             study.tell(trial, state=TrialState.FAIL)
             log(f"trial {trial.number} failed: {type(e).__name__}: {e}")
             continue
-        trial.set_user_attr("per_trace", _figures(score))
+        trial.set_user_attr("per_trace", score.figures)
         study.tell(trial, score.speedup)
 
 
@@ -321,10 +485,6 @@ def _trial_counts(study) -> tuple[int, int]:
 
     states = [t.state for t in study.get_trials(deepcopy=False)]
     return states.count(TrialState.COMPLETE), states.count(TrialState.FAIL)
-
-
-def _figures(score: Score) -> dict[str, dict[str, float]]:
-    return {name: {"tokens_per_s": r.tokens_per_s, "mean_tpot_ms": r.mean_tpot_ms} for name, r in score.results.items()}
 
 
 # --- comparisons and outputs --------------------------------------------------------------------------------
@@ -347,8 +507,9 @@ def best_schedule(bench: Bench, start_steps: int) -> dict[int, int]:
 
 
 def compare(bench: Bench, tuned: AdaptiveConfig) -> tuple[pd.DataFrame, dict[str, object]]:
-    """Every comparison as a summary frame (name, policy, speedup, per-trace tokens/s and TPOT) and the
-    policies themselves for tuning.json."""
+    """Every comparison as a summary frame (name, policy, speedup, figures per trace or replayed traffic) and the
+    policies themselves for tuning.json. In a replay the oracle picks each step's g for the most tokens per ms of
+    that step: a reference, not a bound on the requests' latency."""
     statics = {g: bench.score(StaticPolicy(g)) for g in range(bench.fit.max_steps + 1)}
     best_g = max(statics, key=lambda g: statics[g].speedup)
     optima = best_schedule(bench, best_g)
@@ -360,19 +521,21 @@ def compare(bench: Bench, tuned: AdaptiveConfig) -> tuple[pd.DataFrame, dict[str
     ]
     entries += [(name, bench.adaptive(cfg, name), cfg.to_dict()) for name, cfg in PRESETS.items()]
     entries += [
-        ("oracle", OraclePolicy(objective=bench.objective), {"candidate_steps": list(range(bench.traces[0].max_steps + 1))}),
+        ("oracle", OraclePolicy(objective="throughput" if bench.objective == "throughput" else "latency"),
+         {"candidate_steps": list(range(bench.horizon + 1)),
+          "picks": "each step's g for that step's most tokens per ms" if bench.replay else "each window's best g per round"}),
         ("tuned_adaptive", bench.adaptive(tuned, "tuned_adaptive"), tuned.to_dict()),
     ]
     rows, policies = [], {}
     for name, policy, described in entries:
         score = statics[policy.steps] if isinstance(policy, StaticPolicy) else bench.score(policy)
         row = {"name": name, "policy": policy.label, "speedup": score.speedup}
-        for trace, r in score.results.items():
-            row[f"{trace}: tokens/s"] = r.tokens_per_s
-            row[f"{trace}: TPOT ms"] = r.mean_tpot_ms
+        for trace, figures in score.figures.items():
+            row |= {f"{trace}: {k}": v for k, v in figures.items()}
         rows.append(row)
         policies[name] = described
     policies["static_speedups"] = {str(g): s.speedup for g, s in statics.items()}
+    policies["static_figures"] = {str(g): s.figures for g, s in statics.items()}
     return pd.DataFrame(rows), policies
 
 
@@ -393,8 +556,7 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
     report = {
         "results_dir": str(options.results_dir),
         "objective": options.objective,
-        "score": "speedup over target-only: geometric mean over traces of "
-                 + ("tokens/s ratios" if options.objective == "throughput" else "mean TPOT ratios"),
+        "score": _score_text(options.objective),
         "sglang_version": options.sglang_version,
         "routing": "unpadded batch sizes (SGLang 0.5.23 without --cuda-graph-bs-decode)",
         "study": {"name": outcome.study_name, "storage": outcome.storage, "complete": outcome.num_complete,
@@ -404,6 +566,7 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
         "tuned_launch_steps": sglang_launch_steps(tuned),
         "traces": [{"name": t.name, "rounds": t.num_rounds, "max_steps": t.max_steps,
                     "mean_batch_size": float(t.batch_sizes.mean())} for t in bench.traces],
+        **(replay_report(bench.replay) if bench.replay is not None else {}),
         **fit_report(bench.fit, cells, options.objective),
         "files": [p.name for p in files],
         "notes": notes,
@@ -412,9 +575,34 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
     return summary, files
 
 
+def _score_text(objective: str) -> str:
+    if objective in REQUEST_METRICS:
+        return (f"speedup over target-only on the replayed traffic: target-only's mean {REQUEST_METRICS[objective]} / the "
+                f"policy's, geometric mean over {REPLAY_SEEDS} acceptance draws")
+    return "speedup over target-only: geometric mean over traces of " + ("tokens/s ratios" if objective == "throughput" else "mean TPOT ratios")
+
+
+def replay_report(replay: Replay) -> dict[str, object]:
+    """The replayed traffic and the serving cost it is charged, for tuning.json."""
+    t, c = replay.traffic, replay.cost
+    return {
+        "traffic": {"name": t.name, "requests": t.num_requests, "max_concurrency": t.max_concurrency, "max_num_seqs": replay.max_num_seqs,
+                    "duration_s": float(t.arrival_ms.max() / 1000.0), "mean_prompt_tokens": float(t.prompt_tokens.mean()),
+                    "mean_output_tokens": float(t.output_tokens.mean()), "acceptance_draws": len(replay.draws)},
+        "serving_cost": {
+            "decode": [{"batch_size": b, "target_ms": t0, "draft_fixed_ms": f, "per_step_ms": s}
+                       for b, t0, f, s in zip(c.decode.batch_sizes, c.decode.target_ms, c.decode.draft_fixed_ms, c.decode.per_step_ms)],
+            "prefill_fixed_ms": c.prefill_fixed_ms, "prefill_per_token_ms": c.prefill_per_token_ms,
+            "request_overhead_ms": c.request_overhead_ms,
+        },
+        "replay_acceptance": {g or "(untagged)": {"bucket_tokens": p.bucket_tokens, "rates_by_bucket": [list(b.rates) for b in p.by_bucket]}
+                              for g, p in sorted(replay.profiles.items())},
+    }
+
+
 def fit_report(fit: CostFit, cells: pd.DataFrame, objective: str) -> dict[str, object]:
     """The fitted model for tuning.json: cost and acceptance, recommended g, fit error, excluded cells."""
-    rec = recommend(fit, objective)
+    rec = recommend(fit, "throughput" if objective == "throughput" else "latency")
     error = prediction_vs_measurement(fit, cells)["tpot_rel_error"].abs()
     excluded = fit.excluded[[c for c in ("server", "workload", "batch_size", "repeat", "status", "failure_rate", "error", "reason")
                              if c in fit.excluded]]

@@ -171,6 +171,19 @@ def test_round_log_continuation_follows_the_fitted_rates(tmp_path):
     assert np.array_equal(trace_from_round_log(log, max_steps=5, acceptance=profile, seed=7).accepted, trace.accepted)
 
 
+def test_round_log_trace_skips_the_prefill_steps_the_engine_logs_between_rounds(tmp_path):
+    log = tmp_path / "ngram.jsonl"
+    lines = [
+        {"t_s": 0.01, "prefill": True, "batch_size": 2, "prompt_tokens": [30, 12], "num_running": 0},
+        {"t_s": 0.02, "batch_size": 2, "num_steps": 3, "proposed": [3, 0], "accepted": [1, 0], "round_ms": 4.0},
+        {"t_s": 0.03, "prefill": True, "batch_size": 1, "prompt_tokens": [9], "num_running": 2},
+        {"t_s": 0.04, "batch_size": 3, "num_steps": 3, "proposed": [3, 3, 2], "accepted": [3, 2, 0], "round_ms": 5.0},
+    ]
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    trace = trace_from_round_log(log)
+    assert trace.batch_sizes.tolist() == [2, 3] and trace.accepted.tolist() == [[1, 0, 0], [3, 2, 0]]
+
+
 def test_round_log_errors_name_the_file_and_line(tmp_path):
     log = tmp_path / "bad.jsonl"
     log.write_text('{"num_steps": 2, "proposed": [2], "accepted": [1]}\n{"num_steps": 2}\n')

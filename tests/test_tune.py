@@ -80,8 +80,7 @@ def test_tune_synthetic_results_recovers_model_and_writes_valid_configs(results)
 def test_single_workload_run_takes_phase_acceptance_from_its_round_log(tmp_path):
     # One workload per run (as a sweep writes it); its round log alternates easy and hard stretches.
     root = write_synthetic_results(tmp_path / "phase-run", profiles={"phase": AcceptanceProfile((0.6,))})
-    cells, _, round_logs = load_results(root)
-    bench = make_bench(cells, round_logs, "throughput", seed=0)
+    bench = make_bench(load_results(root), "throughput", seed=0)
     assert [t.name for t in bench.traces] == ["draft-g8-phase", "phase-shifting"]
     phase = bench.traces[1]
     labels = np.array(phase.phases)
@@ -108,7 +107,7 @@ def test_fault_injected_failing_objective_is_recorded_fail_and_the_study_goes_on
         calls.append(cfg)
         if len(calls) % 3 == 0:
             raise RuntimeError("injected simulator crash")
-        return type("Score", (), {"speedup": 1.0 + len(calls) / 100, "results": {}})()
+        return type("Score", (), {"speedup": 1.0 + len(calls) / 100, "figures": {}})()
 
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=0))
     messages = []
@@ -130,7 +129,7 @@ def test_cli_worker_runs_trials_only_then_trials_0_writes_configs(results, spect
     assert report["study"]["complete"] == 4
     assert {c["name"] for c in report["comparisons"]} == COMPARISONS
     bad = subprocess.run([*spectune_cmd, "tune", str(results), "--objective", "fast"], capture_output=True, text=True)
-    assert bad.returncode == 2 and bad.stderr.strip() == "error: --objective 'fast': must be one of throughput, latency"
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --objective 'fast': must be one of throughput, latency, ttft, tpot, e2e"
 
 
 # --- a real PostgreSQL server ---------------------------------------------------------------------------------

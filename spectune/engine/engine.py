@@ -120,6 +120,7 @@ class LLMEngine:
         with torch.inference_mode():
             if batch.is_prefill:
                 new_tokens = self.runner.prefill(batch.seqs)
+                self._record_prefill(batch.seqs)
             else:
                 num_steps = self.step_policy.steps_for_batch(len(batch.seqs))
                 result = self.runner.speculate(batch.seqs, num_steps)
@@ -177,6 +178,20 @@ class LLMEngine:
                 "round_ms": round(result.round_ms, 4),
             }
             self._round_log.write(json.dumps(line) + "\n")
+
+    def _record_prefill(self, seqs: list[Sequence]) -> None:
+        """A prefill step in the round log: the request-level simulator fits prefill and step costs from the gaps
+        between consecutive lines (spectune.costmodel.read_step_log); trace readers skip these lines."""
+        if self._round_log is None:
+            return
+        line = {
+            "t_s": round(time.perf_counter() - self._start, 6),
+            "prefill": True,
+            "batch_size": len(seqs),
+            "prompt_tokens": [len(s.prompt_ids) for s in seqs],
+            "num_running": len(self.scheduler.running) - len(seqs),  # decoding before this step: > 0 means no idle gap
+        }
+        self._round_log.write(json.dumps(line) + "\n")
 
     def close(self) -> None:
         if self._round_log is not None:
