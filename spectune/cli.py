@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Optional
@@ -27,6 +28,9 @@ def serve(
         '\'{"method": "draft_model", "num_speculative_tokens": 3}\' or '
         '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'. Without "model", eagle and '
         'draft_model use the shipped head / draft. Default: no speculation.'),
+    draft_noise: Optional[float] = typer.Option(
+        None, help="draft_model without \"model\": draft with the shipped target plus Gaussian noise of this many times each "
+        "tensor's std (0 = the target itself; acceptance falls as it grows), made on first use under ~/.cache/spectune/models."),
     speculative_adaptive_config: Optional[Path] = typer.Option(
         None, help="SGLang adaptive_spec.json: steps adapt per batch size (num_speculative_tokens is the launch step)."),
     max_num_seqs: int = typer.Option(16, help="Most sequences decoded together (KV-cache slots)."),
@@ -40,6 +44,13 @@ def serve(
     from spectune.engine.server import serve as run_server
 
     spec = SpeculativeConfig.parse(speculative_config) if speculative_config else None
+    if draft_noise is not None:
+        if spec is None or spec.method != "draft_model" or spec.model is not None:
+            raise SpectuneError("--draft-noise: needs --speculative-config with method draft_model and no model "
+                                "(it makes the draft from the shipped target)")
+        from spectune.engine.shipped import noisy_draft_path
+
+        spec = dataclasses.replace(spec, model=noisy_draft_path(draft_noise))
     engine = EngineConfig(model=model, speculative=spec, adaptive_config=speculative_adaptive_config, max_num_seqs=max_num_seqs,
                           max_model_len=max_model_len, seed=seed, round_log=round_log, num_threads=threads)
     run_server(ServeOptions(engine=engine, host=host, port=port, served_model_name=served_model_name))
@@ -76,7 +87,10 @@ def tune(
     results: Path = typer.Argument(..., help="A results directory written by spectune sweep."),
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL. Default: sqlite:///<RESULTS>/study.db; postgresql://... shares one study across machines."),
     trials: int = typer.Option(100, min=0, help="Trials to run here (0: only write the configs from the study's best trial)."),
-    objective: str = typer.Option("throughput", help="throughput (tokens/s) or latency (mean TPOT)."),
+    objective: str = typer.Option("throughput", help="throughput (tokens/s) or latency (mean TPOT) of decode rounds; or "
+                                  "ttft, tpot, e2e of replayed traffic (embedded-engine sweeps)."),
+    traffic: Optional[str] = typer.Option(None, help="ttft/tpot/e2e: workload (name or file, with arrival_s) to replay. Default: the sweep's."),
+    max_concurrency: Optional[int] = typer.Option(None, help="ttft/tpot/e2e: requests in flight and engine slots. Default: the sweep's largest batch size."),
     worker: bool = typer.Option(False, help="Only run trials for the shared study; write nothing (finish with --trials 0)."),
     seed: int = typer.Option(0, help="Seed of the sampler and the synthetic traces."),
     sglang_version: str = typer.Option("0.5.23", help="SGLang release to write adaptive_spec.json for."),
@@ -89,7 +103,8 @@ def tune(
     from spectune.tune import tune as run_tune
 
     outcome = run_tune(TuneOptions(results_dir=results, storage=storage, trials=trials, objective=objective, worker=worker, seed=seed,
-                                   sglang_version=sglang_version, out_dir=out, draft_model=draft_model, method=method), log=typer.echo)
+                                   sglang_version=sglang_version, out_dir=out, draft_model=draft_model, method=method,
+                                   traffic=traffic, max_concurrency=max_concurrency), log=typer.echo)
     if outcome.summary is not None:
         typer.echo(outcome.summary[["name", "speedup", "policy"]].to_string(index=False, float_format="%.3f"))
         typer.echo("\n".join(str(p) for p in outcome.files))

@@ -156,6 +156,14 @@ def _expand_server(raw: object, where: str) -> list[ServerSpec]:
             raise SpectuneError(f"{where}: method \"ngram\" needs prompt_lookup_min and prompt_lookup_max (e.g. 1 and 4)")
         if not (isinstance(lo, int) and isinstance(hi, int)) or lo < 1 or lo > hi:
             raise SpectuneError(f"{where}: prompt_lookup_min = {lo!r}, prompt_lookup_max = {hi!r}: need integers with 1 <= min <= max")
+    noise = raw.get("draft_noise")
+    if noise is not None:
+        if not isinstance(noise, (int, float)) or isinstance(noise, bool) or noise < 0:
+            raise SpectuneError(f"{where}.draft_noise = {noise!r}: must be a number >= 0 (0 = the target itself as draft)")
+        if engine != "embedded" or method != "draft_model" or raw.get("draft_model") is not None:
+            raise SpectuneError(f"{where}.draft_noise: applies to engine \"embedded\" with method \"draft_model\" and no "
+                                "draft_model (it makes the draft from the shipped target); remove one or the other")
+        raw = {**raw, "draft_noise": float(noise)}
     if raw.get("per_batch_size") is not None:
         raw = {**raw, "per_batch_size": tuple(tuple(r) for r in raw["per_batch_size"])}
     for key in ("extra_args", "env"):

@@ -34,6 +34,7 @@ class ServerSpec:
     method: str | None = None  # draft_model | ngram | eagle | eagle3 | mtp | suffix | dflash | ...
     num_speculative_tokens: int | None = None  # g, the draft steps per round
     draft_model: str | None = None
+    draft_noise: float | None = None  # embedded draft_model only: the shipped target plus this relative noise as draft
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     adaptive_config: str | None = None  # SGLang-style adaptive_spec.json path

@@ -49,6 +49,8 @@ class EmbeddedServer(LaunchedServer):
         config = speculative_config(self._launch_spec())
         if config is not None:  # the engine validates it (and defaults a missing draft to the shipped one)
             argv += ["--speculative-config", json.dumps(config.to_dict())]
+        if spec.draft_noise is not None:
+            argv += ["--draft-noise", str(spec.draft_noise)]
         if spec.adaptive_config:
             argv += ["--speculative-adaptive-config", spec.adaptive_config]
         if self.max_batch_size is not None:
