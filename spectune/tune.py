@@ -230,6 +230,8 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcom
     bench = make_bench(run, options.objective, options.seed, options.method, options.traffic, options.max_concurrency)
     storage = options.storage or f"sqlite:///{Path(options.results_dir).resolve() / 'study.db'}"
     study_name = f"spectune-{Path(options.results_dir).resolve().name}-{bench.fit.method}-{options.objective}"
+    if bench.replay is not None:  # a study's scores hold for one replayed traffic and concurrency only
+        study_name += f"-{bench.replay.traffic.name}-c{bench.replay.max_num_seqs}"
     study = open_study(storage, study_name, seed=options.seed + (os.getpid() if options.worker else 0))
     evaluate = lambda cfg: _evaluate(bench, cfg, options.sglang_version)
     if not study.trials:

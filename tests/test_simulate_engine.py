@@ -147,3 +147,7 @@ def test_tune_on_e2e_scores_every_comparison_on_the_replayed_traffic(sweeps, tmp
     assert set(report["policies"]["static_figures"]) == set(statics) == {str(g) for g in range(G + 1)}
     assert rows["tuned_adaptive"]["speedup"] >= max(s for g, s in statics.items() if int(g) > 0) * (1 - 1e-9)
     assert outcome.num_complete == 6
+    # another concurrency is another objective: its trials go to a study of their own, not into this one
+    other = tune(TuneOptions(results_dir=results, objective="e2e", trials=2, seed=0, method="ngram", traffic=str(workload),
+                             max_concurrency=BURST // 2), log=lambda _: None)
+    assert other.study_name != outcome.study_name and other.num_complete == 2
