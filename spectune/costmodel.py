@@ -174,6 +174,21 @@ def split_failed(cells: pd.DataFrame, max_failure_rate: float = MAX_FAILURE_RATE
     return cells[~(not_ok | too_many)], excluded
 
 
+def fastest_method(spec: pd.DataFrame, usable: pd.DataFrame) -> tuple[str, str]:
+    """The (engine, method) of static speculative cells `spec` whose best step count measured the most output
+    tokens/s over target-only's on the same engine, as a geometric mean over batch sizes (what a user would
+    deploy); ties go to the one with more cells."""
+    scores = {}
+    for (engine, method), group in spec.groupby(["engine", "method"]):
+        target = usable[~usable["is_speculative"].astype(bool) & (usable["engine"] == engine)]
+        base = target.groupby("batch_size")["output_throughput_tps"].mean()
+        best = group.groupby(["batch_size", "num_speculative_tokens"])["output_throughput_tps"].mean().groupby(level=0).max()
+        ratios = (best / base).dropna()
+        ratios = ratios[ratios > 0]
+        scores[(engine, method)] = (float(np.exp(np.log(ratios).mean())) if len(ratios) else 0.0, len(group))
+    return max(scores, key=scores.get)
+
+
 def fit_sweep(
     cells: pd.DataFrame,
     *,
@@ -181,7 +196,8 @@ def fit_sweep(
     method: str | None = None,
     max_failure_rate: float = MAX_FAILURE_RATE,
 ) -> CostFit:
-    """Fit round cost and acceptance for one engine + method (default: the one with most usable cells).
+    """Fit round cost and acceptance for one engine + method (default: the one that measured fastest, see
+    fastest_method).
 
     Adaptive-server cells are not used (their step count changes during a cell)."""
     usable, excluded = split_failed(cells, max_failure_rate)
@@ -192,7 +208,7 @@ def fit_sweep(
         found = sorted({f"{e}/{m}" for e, m in zip(static["engine"], static["method"])}) or ["none"]
         raise SpectuneError(f"cells: no usable static speculative cells for engine={engine}, method={method} (found: {', '.join(found)}); "
                             "choose one of those, or sweep speculative servers")
-    engine, method = spec.groupby(["engine", "method"]).size().idxmax()
+    engine, method = fastest_method(spec, usable)
     spec = spec[(spec["engine"] == engine) & (spec["method"] == method)]
     target = usable[~usable["is_speculative"].astype(bool) & (usable["engine"] == engine)]
     table = _fit_round_cost(target, spec)

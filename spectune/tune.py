@@ -105,7 +105,7 @@ class TuneOptions:
     sglang_version: str = "0.5.23"
     out_dir: Path | None = None  # None = <results_dir>/tuned
     draft_model: str | None = None  # for the vLLM / llama.cpp outputs; default: the sweep plan's
-    method: str | None = None  # the speculative method to tune; None = the one with most usable cells
+    method: str | None = None  # the speculative method to tune; None = the one that measured fastest (costmodel.fastest_method)
     traffic: str | None = None  # replay objectives: workload name or file with arrival_s; None = the sweep's
     max_concurrency: int | None = None  # replay objectives: requests in flight and engine slots; None = the sweep's largest batch size
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from spectune.costmodel import (
@@ -95,6 +96,18 @@ def test_fit_recovers_synthetic_round_cost_with_honest_uncertainty():
         assert 0 < row["per_step_se_ms"] < 0.1 * SYNTHETIC_COST.per_step_ms[i]
     # The failing cells (nonsense TPOT) are excluded, listed with their reason, and did not bend the fit.
     assert sorted(fit.excluded["reason"]) == ["failure_rate > 0.05", "status failed"]
+
+
+def test_fit_defaults_to_the_method_that_measured_fastest_not_the_most_measured():
+    cells = synthetic_cells(noise=0.0)
+    # a second method with fewer cells, twice as fast as the first at every step count and batch size
+    fast = cells[cells["num_speculative_tokens"].isin([1, 2]) & (cells["status"] == "ok")].copy()
+    fast["method"], fast["server"] = "ngram", "ngram-" + fast["server"]
+    fast["output_throughput_tps"] *= 2
+    both = pd.concat([cells, fast], ignore_index=True)
+    assert (fast["num_speculative_tokens"] > 0).sum() < (cells["num_speculative_tokens"] > 0).sum()
+    assert fit_sweep(both).method == "ngram"
+    assert fit_sweep(both, method="draft_model").method == "draft_model"
 
 
 def test_fit_names_the_methods_there_are_when_asked_for_another():
