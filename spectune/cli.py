@@ -45,6 +45,8 @@ def serve(
 
     spec = SpeculativeConfig.parse(speculative_config) if speculative_config else None
     if draft_noise is not None:
+        if draft_noise < 0:
+            raise SpectuneError(f"--draft-noise: {draft_noise} is negative; use a relative noise scale >= 0, e.g. 0.05")
         if spec is None or spec.method != "draft_model" or spec.model is not None:
             raise SpectuneError("--draft-noise: needs --speculative-config with method draft_model and no model "
                                 "(it makes the draft from the shipped target)")
@@ -234,13 +236,13 @@ def main() -> None:
         sys.exit(130)
     except typer.Exit as e:
         sys.exit(e.exit_code)
-    except Exception as e:  # click usage errors and the like
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
+    except Exception as e:
+        # click's usage errors, by class name: typer vendors its own copy of click from 0.2x, older ones use click's
+        names = {cls.__name__ for cls in type(e).__mro__}
+        if "ClickException" in names:
             e.show()
             sys.exit(2)
-        if isinstance(e, click.exceptions.Abort):
+        if "Abort" in names:
             sys.exit(130)
         raise
 

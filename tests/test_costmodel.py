@@ -78,6 +78,9 @@ def test_cli_model_accepts_a_range_and_rejects_garbage_with_exit_2(spectune_cmd)
     assert [int(line.split()[1]) for line in out.splitlines()[1:]] == list(range(1, 11))
     bad = subprocess.run([*spectune_cmd, "model", "--alpha", "0.8", "--gamma", "two"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--gamma" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    # an option below its minimum is a usage error: exit 2 and click's message, not a traceback
+    below = subprocess.run([*spectune_cmd, "model", "--alpha", "0.8", "--cost", "-1"], capture_output=True, text=True)
+    assert below.returncode == 2 and "Invalid value for '--cost'" in below.stderr and "Traceback" not in below.stderr
     assert parse_gammas("1-3,7") == [1, 2, 3, 7]
     with pytest.raises(SpectuneError):
         parse_gammas("-2")

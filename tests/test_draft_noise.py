@@ -83,3 +83,10 @@ def test_serve_draft_noise_without_draft_model_is_one_clear_error():
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "error: --draft-noise: needs --speculative-config with method draft_model and no model (it makes the draft from the shipped target)"]
+
+
+def test_serve_negative_draft_noise_names_the_flag():
+    done = subprocess.run([sys.executable, "-m", "spectune.cli", "serve", "--draft-noise", "-0.5", "--speculative-config",
+                           '{"method": "draft_model", "num_speculative_tokens": 2}'], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["error: --draft-noise: -0.5 is negative; use a relative noise scale >= 0, e.g. 0.05"]
