@@ -55,13 +55,14 @@ class TrainConfig:
     eval_prompts: int = 16
     eval_new_tokens: int = 64
     threads: int = 2
-    # EAGLE-style head (eagle.py): sizes picked so a draft step costs ~0.1 of a target forward at batch 1
+    # EAGLE-style head (eagle.py): sizes picked so a draft step costs under 0.1 of a target forward at batch 1
+    # (its weights, 2.4 MB in fp32, about fit a core's L2 cache; 256 / 512 / 1024 measured c = 0.13)
     eagle_steps: int = 1200
     eagle_lr: float = 3e-3
     eagle_unroll: int = 3  # train on its own predicted features for this many steps, as it drafts
-    eagle_head_size: int = 256
-    eagle_intermediate_size: int = 512
-    eagle_vocab_size: int = 1024  # the most frequent training tokens
+    eagle_head_size: int = 192
+    eagle_intermediate_size: int = 384
+    eagle_vocab_size: int = 768  # the most frequent training tokens
 
 
 @dataclass(slots=True, frozen=True)
