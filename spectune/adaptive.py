@@ -221,6 +221,9 @@ AGGRESSIVE_PRESET = _preset({
     "128": {"candidate_steps": [1, 3], "up_hysteresis": 0.0, "down_hysteresis": -0.25, "ceiling_coeff": 1.2},
 })
 
+# The configs every tuning run compares against, by the names its outputs use.
+PRESETS = {"sglang_default": SGLANG_DEFAULT_CONFIG, "conservative": CONSERVATIVE_PRESET, "aggressive": AGGRESSIVE_PRESET}
+
 
 def sglang_cuda_graph_bs(max_bs: int = 256) -> list[int]:
     """The decode CUDA-graph batch sizes SGLang captures under speculative decoding.

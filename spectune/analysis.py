@@ -255,3 +255,46 @@ def t_quantile_975(df: int) -> float:
         return _T975[df - 1]
     z = 1.959964
     return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05) -> pd.DataFrame:
+    """The measured answer per batch size: the static server with the highest output-throughput speedup over
+    target-only (speedup_table's geometric mean and 95% CI), or target-only itself where no speculative server
+    measured faster. Adaptive-config servers are left out (their step count moves during a cell).
+
+    Columns: batch_size, server, method ("target-only" for none), steps (0 for target-only), speedup,
+    speedup_ci_low, speedup_ci_high, tpot_speedup, acceptance_rate, acceptance_length, and is_clear: the
+    interval excludes 1 (for target-only rows: the fastest speculative server's interval lies below 1); with one
+    repeat there is no interval and nothing is clear."""
+    ok = cells[(cells["status"] == "ok") & (cells["failure_rate"].fillna(0.0) <= max_failure_rate)]
+    if "adaptive_config" in ok:
+        ok = ok[ok["adaptive_config"].isna()]
+    columns = ["batch_size", "server", "method", "steps", "speedup", "speedup_ci_low", "speedup_ci_high", "tpot_speedup",
+               "acceptance_rate", "acceptance_length", "is_clear"]
+    if ok.empty or ok["is_speculative"].astype(bool).all():
+        return pd.DataFrame(columns=columns)
+    speedups = speedup_table(ok) if ok["is_speculative"].astype(bool).any() else pd.DataFrame(columns=["batch_size", "speedup"])
+    means = ok.groupby("server")[["method"]].first()
+    acc = ok.groupby(["server", "batch_size"])[[c for c in ("acceptance_rate", "acceptance_length") if c in ok]].mean()
+    target = ok.loc[~ok["is_speculative"].astype(bool), "server"].iloc[0]
+    rows = []
+    for bs in sorted(ok.loc[ok["server"] == target, "batch_size"].unique()):
+        at = speedups[speedups["batch_size"] == bs].dropna(subset=["speedup"])
+        best = at.loc[at["speedup"].idxmax()] if not at.empty else None
+        if best is None or best["speedup"] <= 1.0:
+            # is_clear here: the fastest speculative server was slower beyond noise (its interval is below 1)
+            rows.append({"batch_size": int(bs), "server": target, "method": "target-only", "steps": 0, "speedup": 1.0,
+                         "speedup_ci_low": math.nan, "speedup_ci_high": math.nan, "tpot_speedup": 1.0,
+                         "acceptance_rate": math.nan, "acceptance_length": math.nan,
+                         "is_clear": bool(best is not None and best["speedup_ci_high"] < 1.0)})
+            continue
+        server = best["server"]
+        figures = acc.loc[(server, bs)] if (server, bs) in acc.index else pd.Series(dtype=float)
+        rows.append({"batch_size": int(bs), "server": server, "method": means.loc[server, "method"],
+                     "steps": int(best["num_speculative_tokens"]), "speedup": float(best["speedup"]),
+                     "speedup_ci_low": float(best["speedup_ci_low"]), "speedup_ci_high": float(best["speedup_ci_high"]),
+                     "tpot_speedup": float(best.get("tpot_speedup", math.nan)),
+                     "acceptance_rate": float(figures.get("acceptance_rate", math.nan)),
+                     "acceptance_length": float(figures.get("acceptance_length", math.nan)),
+                     "is_clear": bool(best["speedup_ci_low"] > 1.0)})
+    return pd.DataFrame(rows, columns=columns)

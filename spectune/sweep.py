@@ -12,7 +12,6 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 

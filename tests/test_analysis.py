@@ -9,7 +9,16 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from spectune.analysis import Slo, acceptance, chunk_gaps, request_frame, speedup_table, summarize_cell, t_quantile_975
+from spectune.analysis import (
+    Slo,
+    acceptance,
+    chunk_gaps,
+    recommendation_table,
+    request_frame,
+    speedup_table,
+    summarize_cell,
+    t_quantile_975,
+)
 from spectune.errors import SpectuneError
 from spectune.records import RequestRecord, Scrape
 
@@ -169,6 +178,22 @@ def test_speedup_table_needs_one_baseline():
     assert len(speedup_table(both, baseline="target-b")) == 4
     with pytest.raises(SpectuneError, match="missing column"):
         speedup_table(cells.drop(columns=["repeat"]))
+
+
+def test_recommendation_picks_the_fastest_server_per_batch_size_and_target_only_where_none_pays():
+    cells = cells_frame().assign(method=lambda f: f["server"].str.split("-").str[0].where(f["is_speculative"]),
+                                 failure_rate=0.0, acceptance_rate=0.6, acceptance_length=2.5, adaptive_config=None)
+    rec = recommendation_table(cells).set_index("batch_size")
+    assert list(rec.index) == [1, 8]  # 32 has no target-only cell to compare with
+    small = rec.loc[1]
+    assert small["server"] == "draft-g4" and small["method"] == "draft" and small["steps"] == 4
+    assert small["speedup"] == pytest.approx(np.exp(np.log([1.5, 1.6, 1.4]).mean()))  # beats ngram-g3's 1.2
+    assert small["speedup_ci_low"] > 1 and small["is_clear"]
+    large = rec.loc[8]  # draft-g4 measured 0.9x there: target-only is the answer, not clearly (its CI spans 1)
+    assert large["method"] == "target-only" and large["steps"] == 0 and large["speedup"] == 1.0
+    assert not large["is_clear"]
+    adaptive = cells.assign(adaptive_config=np.where(cells["server"] == "draft-g4", "a.json", None))
+    assert recommendation_table(adaptive).set_index("batch_size").loc[1, "server"] == "ngram-g3"
 
 
 def test_t_quantile_matches_scipy():

@@ -19,7 +19,8 @@ import pandas as pd
 import pytest
 
 from spectune.simulate import StaticPolicy
-from spectune.tune import TuneOptions, load_results, make_bench, tune
+from spectune.scoring import make_bench
+from spectune.tune import TuneOptions, load_results, tune
 from spectune.workload import load_requests
 from sweep_helpers import sweep_cmd
 

@@ -19,7 +19,9 @@ from optuna.trial import TrialState
 
 from spectune.emit import schedule_from_optima, validate_sglang_config, validate_vllm_config
 from spectune.costmodel import AcceptanceProfile
-from spectune.tune import SearchSpace, TuneOptions, load_results, make_bench, run_trials, storage_for, tune
+from spectune.scoring import make_bench
+from spectune.search import SearchSpace, run_trials, storage_for
+from spectune.tune import TuneOptions, load_results, tune
 from synthetic_sweep import SYNTHETIC_COST, write_synthetic_results
 
 COMPARISONS = {"target_only", "best_static", "best_per_batch_schedule", "sglang_default", "conservative", "aggressive",

@@ -1,0 +1,179 @@
+"""The outputs of a tuning run: the deployable configs (SGLang adaptive_spec.json, vLLM speculative config,
+llama.cpp flags) and tuning.json with every comparison, the fit and the recommendations."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+from spectune.adaptive import AdaptiveConfig
+from spectune.comparisons import compare
+from spectune.costmodel import CostFit, breakeven_batch_size, prediction_vs_measurement, recommend
+from spectune.emit import (
+    MODEL_FREE_METHODS,
+    NEEDS_MODEL,
+    VLLM_METHODS,
+    VllmSpecConfig,
+    llamacpp_flags,
+    schedule_from_optima,
+    sglang_launch_steps,
+    write_sglang_config,
+)
+from spectune.errors import SpectuneError
+from spectune.scoring import REPLAY_SEEDS, REQUEST_METRICS, Bench, Replay
+from spectune.store import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from spectune.tune import TuneOptions, TuneOutcome
+
+def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: TuneOptions, outdir: Path,
+             outcome: TuneOutcome, log: Callable[[str], None] = print) -> tuple[pd.DataFrame, list[Path]]:
+    """Compare the study's best config with the baselines; write the configs and tuning.json."""
+    from optuna.trial import TrialState
+
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    if not complete:
+        raise SpectuneError(f"study {outcome.study_name}: no completed trial to write configs from; run more --trials")
+    best = max(complete, key=lambda t: t.value)
+    tuned = AdaptiveConfig.from_dict(best.user_attrs["config"], source=f"trial {best.number}")
+    summary, policies = compare(bench, tuned)
+    files, notes = write_configs(tuned, policies, bench.fit.method, manifest, options, outdir)
+    for note in notes:
+        log(note)
+    report = {
+        "results_dir": str(options.results_dir),
+        "objective": options.objective,
+        "score": _score_text(options.objective),
+        "sglang_version": options.sglang_version,
+        "routing": "unpadded batch sizes (SGLang 0.5.23 without --cuda-graph-bs-decode)",
+        "study": {"name": outcome.study_name, "storage": outcome.storage, "complete": outcome.num_complete,
+                  "failed": outcome.num_failed, "best_trial": best.number, "seed": options.seed},
+        "comparisons": summary.to_dict("records"),
+        "policies": policies,
+        "tuned_launch_steps": sglang_launch_steps(tuned),
+        "traces": [{"name": t.name, "rounds": t.num_rounds, "max_steps": t.max_steps,
+                    "mean_batch_size": float(t.batch_sizes.mean())} for t in bench.traces],
+        **(replay_report(bench.replay) if bench.replay is not None else {}),
+        **fit_report(bench.fit, cells, options.objective),
+        "files": [p.name for p in files],
+        "notes": notes,
+    }
+    files.append(_write_text(outdir / "tuning.json", json.dumps(_jsonable(report), indent=2, allow_nan=False) + "\n"))
+    return summary, files
+
+
+def _score_text(objective: str) -> str:
+    if objective in REQUEST_METRICS:
+        return (f"speedup over target-only on the replayed traffic: target-only's mean {REQUEST_METRICS[objective]} / the "
+                f"policy's, geometric mean over {REPLAY_SEEDS} acceptance draws")
+    return "speedup over target-only: geometric mean over traces of " + ("tokens/s ratios" if objective == "throughput" else "mean TPOT ratios")
+
+
+def replay_report(replay: Replay) -> dict[str, object]:
+    """The replayed traffic and the serving cost it is charged, for tuning.json."""
+    t, c = replay.traffic, replay.cost
+    return {
+        "traffic": {"name": t.name, "requests": t.num_requests, "max_concurrency": t.max_concurrency, "max_num_seqs": replay.max_num_seqs,
+                    "duration_s": float(t.arrival_ms.max() / 1000.0), "mean_prompt_tokens": float(t.prompt_tokens.mean()),
+                    "mean_output_tokens": float(t.output_tokens.mean()), "acceptance_draws": len(replay.draws)},
+        "serving_cost": {
+            "decode": [{"batch_size": b, "target_ms": t0, "draft_fixed_ms": f, "per_step_ms": s}
+                       for b, t0, f, s in zip(c.decode.batch_sizes, c.decode.target_ms, c.decode.draft_fixed_ms, c.decode.per_step_ms)],
+            "prefill_fixed_ms": c.prefill_fixed_ms, "prefill_per_token_ms": c.prefill_per_token_ms,
+            "request_overhead_ms": c.request_overhead_ms,
+        },
+        "replay_acceptance": {g or "(untagged)": {"bucket_tokens": p.bucket_tokens, "rates_by_bucket": [list(b.rates) for b in p.by_bucket]}
+                              for g, p in sorted(replay.profiles.items())},
+    }
+
+
+def fit_report(fit: CostFit, cells: pd.DataFrame, objective: str) -> dict[str, object]:
+    """The fitted model for tuning.json: cost and acceptance, recommended g, fit error, excluded cells."""
+    rec = recommend(fit, "throughput" if objective == "throughput" else "latency")
+    error = prediction_vs_measurement(fit, cells)["tpot_rel_error"].abs()
+    excluded = fit.excluded[[c for c in ("server", "workload", "batch_size", "repeat", "status", "failure_rate", "error", "reason")
+                             if c in fit.excluded]]
+    return {
+        "engine": fit.engine,
+        "method": fit.method,
+        "cost_fit": fit.table.to_dict("records"),
+        "cost_fit_tpot_abs_rel_error": {"median": error.median(), "max": error.max(), "cells": len(error)},
+        "acceptance": {w: {"rates": list(p.rates), "source": p.source} for w, p in fit.acceptance.items()},
+        "acceptance_pooled": {"rates": list(fit.pooled.rates), "source": fit.pooled.source},
+        "recommended_steps": rec.to_dict("records"),
+        "breakeven_batch_size": {w: breakeven_batch_size(rec, w) for w in fit.acceptance},
+        "excluded_cells": excluded.to_dict("records"),
+    }
+
+
+def write_configs(tuned: AdaptiveConfig, policies: dict, method: str | None, manifest: dict, options: TuneOptions,
+                  outdir: Path) -> tuple[list[Path], list[str]]:
+    """adaptive_spec.json, and where the method and draft model allow, the vLLM config (per-batch-size
+    schedule) and llama.cpp flags (best static g >= 1). Returns the files and notes on what was skipped."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    files = [write_sglang_config(tuned, outdir / "adaptive_spec.json", options.sglang_version)]
+    notes = []
+    spec = _server_spec(manifest, method)
+    draft_model = options.draft_model or spec.get("draft_model")
+    if not draft_model and method == "draft_model" and spec.get("engine", "embedded") == "embedded":
+        from spectune.engine.shipped import draft_path  # the embedded engine's default draft
+
+        draft_model = str(draft_path())
+    missing_model = "not written: pass --draft-model PATH (the sweep plan names no draft model)"
+    optima = policies["best_per_batch_schedule"]["best_steps_by_batch_size"]
+    if method not in VLLM_METHODS:
+        notes.append(f"vllm_speculative_config.json not written: vLLM has no method {method!r}")
+    elif method in NEEDS_MODEL and not draft_model:
+        notes.append(f"vllm_speculative_config.json {missing_model}")
+    else:
+        schedule = schedule_from_optima(optima)
+        vllm = VllmSpecConfig(
+            method=method,
+            num_speculative_tokens=max(1, max(k for _, _, k in schedule)),
+            model=None if method in MODEL_FREE_METHODS else draft_model,
+            prompt_lookup_min=spec.get("prompt_lookup_min"),
+            prompt_lookup_max=spec.get("prompt_lookup_max"),
+            num_speculative_tokens_per_batch_size=schedule,
+        )
+        files.append(_write_text(outdir / "vllm_speculative_config.json", vllm.to_json() + "\n"))
+    speculative = {int(g): s for g, s in policies["static_speedups"].items() if int(g) > 0}
+    best_g = max(speculative, key=speculative.get)  # llama.cpp drafts on every round: g >= 1
+    if method == "ngram":
+        files.append(_write_text(outdir / "llamacpp_flags.txt", " ".join(llamacpp_flags(best_g, ngram=True)) + "\n"))
+    elif draft_model:
+        files.append(_write_text(outdir / "llamacpp_flags.txt", " ".join(llamacpp_flags(best_g, draft_model_path=draft_model)) + "\n"))
+    else:
+        notes.append(f"llamacpp_flags.txt {missing_model}")
+    return files, notes
+
+
+def _server_spec(manifest: dict, method: str | None) -> dict:
+    """The plan's server entry for this method (draft model path, n-gram lookup sizes), if recorded."""
+    for server in manifest.get("plan", {}).get("servers", []):
+        if server.get("method") == method:
+            return server
+    return {}
+
+
+def _write_text(path: Path, text: str) -> Path:
+    atomic_write_bytes(path, text.encode())
+    return path
+
+
+def _jsonable(obj: object) -> object:
+    """Plain JSON: numpy scalars to Python, NaN to null."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
