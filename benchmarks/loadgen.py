@@ -13,7 +13,7 @@ Cases:
   main        K=1 with per-chunk usage, TTFT 50 ms, GAP 10 ms (20 ms from 1,024 streams), at every --streams
   k4          K=4 (GAP 10 ms, so 2.5 ms per token), without and with per-chunk usage, at 16 streams:
               who counts tokens and who counts chunks
-  saturation  K=1, TTFT 5 ms, GAP 1 ms, 200 tokens, 512 streams (512k chunks/s offered): the most
+  saturation  K=1, TTFT 5 ms, GAP 1 ms, 200 tokens, 256 streams (256k chunks/s offered): the most
               chunks per second each client takes in on its one core
 Each (case, streams) cell runs every client in turn, repeated --repeats times; a cell sends
 streams x --waves requests (at least 5). Raw figures go to OUT/results.jsonl (appended, so a long
@@ -55,7 +55,7 @@ def cells(cases: list[str], streams: list[int]) -> list[tuple[str, emitter.Sched
         out.append(("k4", emitter.Schedule(tokens_per_chunk=4, usage_per_chunk=False), 16))
         out.append(("k4+usage", emitter.Schedule(tokens_per_chunk=4, usage_per_chunk=True), 16))
     if "saturation" in cases:
-        out.append(("saturation", emitter.Schedule(ttft_ms=5.0, gap_ms=2.0, max_tokens=200, usage_per_chunk=True), 256))
+        out.append(("saturation", emitter.Schedule(ttft_ms=5.0, gap_ms=1.0, max_tokens=200, usage_per_chunk=True), 256))
     return out
 
 
@@ -79,7 +79,8 @@ def run_one(binary: Path, case: str, schedule: emitter.Schedule, streams: int, c
     row = {"case": case, "client": client, "streams": streams, "repeat": repeat, "num_requests": num_requests,
            "ttft_ms": schedule.ttft_ms, "gap_ms": schedule.gap_ms, "tokens_per_chunk": schedule.tokens_per_chunk,
            "usage_per_chunk": schedule.usage_per_chunk, "profiled": profile if client == "spectune" else None,
-           "load_before": os.getloadavg()[0], "time": dt.datetime.now().isoformat(timespec="seconds")}
+           "load_before": os.getloadavg()[0], "time": dt.datetime.now().isoformat(timespec="seconds"),
+           "argv": " ".join(sys.argv[1:])}
     if run.returncode != 0:
         return row | {"error": f"exit {run.returncode}: {run.log[-600:]}"}
     return row | measure(run, emitter.read_log(work / "emitter"), schedule)
@@ -166,12 +167,13 @@ def _one_line(row: dict, took_s: float) -> str:
 
 # ---- the table ---------------------------------------------------------------------------------------
 
-def _fmt(values: pd.Series, digits: int = 2) -> str:
+def _fmt(values: pd.Series, digits: int = 2, spread: bool = True) -> str:
+    """Median over repeats, with [min–max] when there are several and `spread`."""
     v = values.dropna()
     if v.empty:
         return "—"
     med = v.median()
-    if len(v) == 1:
+    if len(v) == 1 or not spread:
         return f"{med:.{digits}f}"
     return f"{med:.{digits}f} [{v.min():.{digits}f}–{v.max():.{digits}f}]"
 
@@ -192,7 +194,7 @@ def report(out: Path) -> str:
     df = pd.DataFrame([r for r in rows if "error" not in r])
     md = [HEADING, ""]
     md += [
-        f"Made by `{_command()}` on {_machine()}, {_dates(lines)}. Load average before each run: "
+        f"Made by {_commands(rows)} on {_machine()}, {_dates(lines)}. Load average before each run: "
         f"{_load(df)} (other work shares this 2-core machine; every run held the CPU lock).",
         "",
         "A C emitter (benchmarks/emitter.c, epoll, core 0) streams each request on an exact schedule and logs when "
@@ -202,7 +204,9 @@ def report(out: Path) -> str:
         "received by the kernel), per request; inter-chunk error = each gap the client recorded − the true gap, "
         "pooled over chunks (p50 gap: a client reading in bursts shows gaps near 0 there); chunks/s and CPU over "
         "the client's active window (first request received → last chunk recorded); CPU = user + sys of the "
-        "client's process tree. GuideLLM keeps no per-chunk times, so it has no inter-chunk figures.",
+        "client's process tree. GuideLLM keeps no per-chunk times, so it has no inter-chunk figures. Send / read: the "
+        "mean TTFT error split into the client's send path (its send timestamp → the kernel receiving the request) "
+        "and its read path (first chunk sent → the client's timestamp).",
         "",
     ]
     if not df.empty:
@@ -217,19 +221,21 @@ def report(out: Path) -> str:
 
 def _main_table(df: pd.DataFrame) -> list[str]:
     md = ["### Timing error, throughput and CPU", "",
-          "| case | streams | client | TTFT err mean (ms) | TTFT err p99 (ms) | gap err mean (ms) | \\|gap err\\| p99 (ms) | "
-          "gap p50 (ms) | TPOT reported / true (ms) | chunks/s | client CPU | CPU per chunk (µs) | failed | emitter late p99 (ms) |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| case | streams | client | TTFT err mean (ms) | TTFT err p99 (ms) | of which send / read (ms) | gap err mean (ms) | "
+          "\\|gap err\\| p99 (ms) | gap p50 (ms) | TPOT reported / true (ms) | chunks/s | client CPU | CPU per chunk (µs) | "
+          "failed | emitter late p99 (ms) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     main = df[df.case.isin(["main", "saturation"])]
     for (case, streams), cell in main.groupby(["case", "streams"], sort=False):
         gap = cell.gap_ms.iloc[0]
         for client, g in cell.groupby("client", sort=False):
             md.append(
                 f"| {case} (gap {gap:g} ms) | {streams} | {client} | {_fmt(g.ttft_err_mean)} | {_fmt(g.ttft_err_p99)} | "
-                f"{_fmt(g.gap_err_mean)} | {_fmt(g.gap_abs_err_p99)} | {_fmt(g.gap_p50, 3)} | "
-                f"{_fmt(g.tpot_reported)} / {_fmt(g.tpot_true)} | {_fmt(g.chunks_per_s, 0)} | "
+                f"{_fmt(g.send_mean, spread=False)} / {_fmt(g.recv_mean, spread=False)} | "
+                f"{_fmt(g.gap_err_mean)} | {_fmt(g.gap_abs_err_p99)} | {_fmt(g.gap_p50, 3, spread=False)} | "
+                f"{_fmt(g.tpot_reported)} / {_fmt(g.tpot_true, spread=False)} | {_fmt(g.chunks_per_s, 0)} | "
                 f"{_fmt(100 * g.cpu_util, 0)}% | {_fmt(g.cpu_us_per_chunk, 1)} | {int(g.failed.sum() + g.unmatched.sum())} | "
-                f"{_fmt(g.emitter_late_p99, 3)} |")
+                f"{_fmt(g.emitter_late_p99, 2, spread=False)} |")
     return md + [""]
 
 
@@ -257,7 +263,8 @@ def _tokens_table(df: pd.DataFrame) -> list[str]:
             md.append(
                 f"| {'yes' if g.usage_per_chunk.iloc[0] else 'no'} | {client} | {_fmt(g.tokens_counted_mean, 1)} "
                 f"({g.tokens_true.iloc[0]}) | {_fmt(g.per_token_reported)} ({g.per_token_true.iloc[0]:g}) | "
-                f"{_fmt(g.tpot_reported)} ({_fmt(g.tpot_true)}) | {_fmt(g.tps_reported, 0)} ({_fmt(g.tps_true, 0)}) | "
+                f"{_fmt(g.tpot_reported)} ({_fmt(g.tpot_true, spread=False)}) | {_fmt(g.tps_reported, 0)} "
+                f"({_fmt(g.tps_true, 0, spread=False)}) | "
                 f"{g.token_source.iloc[0] or '—'} |")
     md += ["", "Tokens counted: spectune sums its per-chunk counts; vLLM and GuideLLM take the final `usage` total. "
            "Per-token latency reported: spectune `itl_ms`, vLLM `mean_itl_ms`, GuideLLM `inter_token_latency_ms`. "
@@ -265,8 +272,10 @@ def _tokens_table(df: pd.DataFrame) -> list[str]:
     return md
 
 
-def _command() -> str:
-    return "flock /tmp/spectune-cpu.lock python benchmarks/loadgen.py"  # pieces: see --help
+def _commands(rows: list[dict]) -> str:
+    """The commands that made the rows (a long run is made in pieces into one --out)."""
+    argvs = sorted({r.get("argv", "") for r in rows})
+    return ", ".join(f"`flock /tmp/spectune-cpu.lock python benchmarks/loadgen.py {a}`".replace(" `", "`") for a in argvs)
 
 
 def _machine() -> str:
