@@ -43,6 +43,7 @@ from loadgen_bench.figures import measure  # noqa: E402
 README = Path(__file__).resolve().parent / "README.md"
 HEADING = "## Load generator against its peers (benchmarks/loadgen.py)"
 EMITTER_CPU, CLIENT_CPU = 0, 1
+SATURATED = 0.9  # client CPU share of its core from which a cell is marked saturated
 
 
 def cells(cases: list[str], streams: list[int]) -> list[tuple[str, emitter.Schedule, int]]:
@@ -74,6 +75,7 @@ def run_one(binary: Path, case: str, schedule: emitter.Schedule, streams: int, c
     try:
         run = clients.run(client, f"http://127.0.0.1:{port}", streams, num_requests, schedule.max_tokens, work,
                           cpu=CLIENT_CPU, profile=profile if client == "spectune" else None)
+        emitter_cpu_s = emitter.cpu_seconds(proc)
     finally:
         emitter.stop(proc)
     row = {"case": case, "client": client, "streams": streams, "repeat": repeat, "num_requests": num_requests,
@@ -83,7 +85,8 @@ def run_one(binary: Path, case: str, schedule: emitter.Schedule, streams: int, c
            "argv": " ".join(sys.argv[1:])}
     if run.returncode != 0:
         return row | {"error": f"exit {run.returncode}: {run.log[-600:]}"}
-    return row | measure(run, emitter.read_log(work / "emitter"), schedule)
+    served = emitter.read_log(work / "emitter")
+    return row | measure(run, served, schedule) | {"emitter_cpu_util": emitter_cpu_s / emitter.busy_seconds(served)}
 
 
 def run_all(args: argparse.Namespace) -> None:
@@ -162,7 +165,8 @@ def _one_line(row: dict, took_s: float) -> str:
     return (f"{head} ttft err {row['ttft_err_mean']:.2f}/{row['ttft_err_p99']:.2f} ms, gap err "
             f"{row['gap_err_mean']:.2f}/{row['gap_abs_err_p99']:.2f} ms, {row['chunks_per_s']:.0f} chunks/s, "
             f"cpu {100 * row['cpu_util']:.0f}% {row['cpu_us_per_chunk']:.1f} us/chunk, failed {row['failed']}, "
-            f"unmatched {row['unmatched']}, emitter late p99 {row['emitter_late_p99']:.3f} ms")
+            f"unmatched {row['unmatched']}, emitter late p99 {row['emitter_late_p99']:.3f} ms, "
+            f"emitter cpu {100 * row['emitter_cpu_util']:.0f}%")
 
 
 # ---- the table ---------------------------------------------------------------------------------------
@@ -176,6 +180,11 @@ def _fmt(values: pd.Series, digits: int = 2, spread: bool = True) -> str:
     if len(v) == 1 or not spread:
         return f"{med:.{digits}f}"
     return f"{med:.{digits}f} [{v.min():.{digits}f}–{v.max():.{digits}f}]"
+
+
+def _percent(values: pd.Series, spread: bool = False) -> str:
+    text = _fmt(100 * values, 0, spread=spread)
+    return text if text == "—" else text.replace(" [", "% [") if " [" in text else text + "%"
 
 
 def _ratio(rows: pd.DataFrame, column: str) -> str:
@@ -192,6 +201,8 @@ def report(out: Path) -> str:
     rows = [r for r in lines if "case" in r and not r.get("profiled")]
     failed_runs = [r for r in rows if "error" in r]
     df = pd.DataFrame([r for r in rows if "error" not in r])
+    if not df.empty and "emitter_cpu_util" not in df:  # rows from before it was recorded
+        df["emitter_cpu_util"] = float("nan")
     md = [HEADING, ""]
     md += [
         f"Made by {_commands(rows)} on {_machine()}, {_dates(lines)}. Load average before each run: "
@@ -206,7 +217,8 @@ def report(out: Path) -> str:
         "the client's active window (first request received → last chunk recorded); CPU = user + sys of the "
         "client's process tree. GuideLLM keeps no per-chunk times, so it has no inter-chunk figures. Send / read: the "
         "mean TTFT error split into the client's send path (its send timestamp → the kernel receiving the request) "
-        "and its read path (first chunk sent → the client's timestamp).",
+        "and its read path (first chunk sent → the client's timestamp). ×n: repeats; (saturated): the client used "
+        f"{SATURATED:.0%} or more of its core (median), so its figures measure itself as much as the server.",
         "",
     ]
     if not df.empty:
@@ -223,19 +235,21 @@ def _main_table(df: pd.DataFrame) -> list[str]:
     md = ["### Timing error, throughput and CPU", "",
           "| case | streams | client | TTFT err mean (ms) | TTFT err p99 (ms) | of which send / read (ms) | gap err mean (ms) | "
           "\\|gap err\\| p99 (ms) | gap p50 (ms) | TPOT reported / true (ms) | chunks/s | client CPU | CPU per chunk (µs) | "
-          "failed | emitter late p99 (ms) |",
+          "failed | emitter late p99 (ms), CPU |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     main = df[df.case.isin(["main", "saturation"])]
     for (case, streams), cell in main.groupby(["case", "streams"], sort=False):
         gap = cell.gap_ms.iloc[0]
         for client, g in cell.groupby("client", sort=False):
+            saturated = " (saturated)" if g.cpu_util.median() >= SATURATED else ""
             md.append(
-                f"| {case} (gap {gap:g} ms) | {streams} | {client} | {_fmt(g.ttft_err_mean)} | {_fmt(g.ttft_err_p99)} | "
+                f"| {case} (gap {gap:g} ms) | {streams} | {client} ×{len(g)}{saturated} | {_fmt(g.ttft_err_mean)} | "
+                f"{_fmt(g.ttft_err_p99)} | "
                 f"{_fmt(g.send_mean, spread=False)} / {_fmt(g.recv_mean, spread=False)} | "
                 f"{_fmt(g.gap_err_mean)} | {_fmt(g.gap_abs_err_p99)} | {_fmt(g.gap_p50, 3, spread=False)} | "
                 f"{_fmt(g.tpot_reported)} / {_fmt(g.tpot_true, spread=False)} | {_fmt(g.chunks_per_s, 0)} | "
-                f"{_fmt(100 * g.cpu_util, 0)}% | {_fmt(g.cpu_us_per_chunk, 1)} | {int(g.failed.sum() + g.unmatched.sum())} | "
-                f"{_fmt(g.emitter_late_p99, 2, spread=False)} |")
+                f"{_percent(g.cpu_util, spread=True)} | {_fmt(g.cpu_us_per_chunk, 1)} | {int(g.failed.sum() + g.unmatched.sum())} | "
+                f"{_fmt(g.emitter_late_p99, 2, spread=False)}, {_percent(g.emitter_cpu_util)} |")
     return md + [""]
 
 
@@ -273,9 +287,10 @@ def _tokens_table(df: pd.DataFrame) -> list[str]:
 
 
 def _commands(rows: list[dict]) -> str:
-    """The commands that made the rows (a long run is made in pieces into one --out)."""
+    """The commands that made the rows (a long run can be made in pieces into one --out)."""
     argvs = sorted({r.get("argv", "") for r in rows})
-    return ", ".join(f"`flock /tmp/spectune-cpu.lock python benchmarks/loadgen.py {a}`".replace(" `", "`") for a in argvs)
+    made = ", ".join(f"`flock /tmp/spectune-cpu.lock python benchmarks/loadgen.py {a}`".replace(" `", "`") for a in argvs)
+    return f"`python benchmarks/loadgen.py` (all of it in one go; this table was made by {made})"
 
 
 def _machine() -> str:
@@ -301,16 +316,16 @@ def _load(df: pd.DataFrame) -> str:
     return f"{df.load_before.min():.1f}–{df.load_before.max():.1f}"
 
 
-def write_readme(section: str) -> None:
+def write_readme(section: str, readme: Path = README) -> None:
     """Replace this benchmark's section of benchmarks/README.md (other sections belong to other benchmarks)."""
-    text = README.read_text() if README.exists() else "# Benchmarks\n\n"
+    text = readme.read_text() if readme.exists() else "# Benchmarks\n\n"
     start = text.find(HEADING)
     if start < 0:
         text = text.rstrip() + "\n\n" + section
     else:
         end = text.find("\n## ", start + len(HEADING))
         text = text[:start] + section + ("" if end < 0 else "\n" + text[end + 1:])
-    README.write_text(text)
+    readme.write_text(text)
 
 
 def main() -> None:

@@ -17,6 +17,8 @@ sys.path.insert(0, str(BENCH))
 from loadgen_bench import clients, emitter  # noqa: E402
 from loadgen_bench.figures import measure  # noqa: E402
 
+import loadgen  # noqa: E402  (benchmarks/loadgen.py)
+
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the emitter")
 
 
@@ -119,3 +121,17 @@ def test_harness_matches_every_request_of_spectunes_client_to_the_emitters_log(s
     assert figures["tokens_counted_mean"] == 6 and figures["token_source"] == "usage"
     assert figures["emitter_early"] == 0
     assert figures["cpu_s"] >= 0
+
+
+def test_the_table_replaces_only_its_own_section_of_the_readme(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# Benchmarks\n\n## Other\nkept\n\n" + loadgen.HEADING + "\nold table\n\n## Later\nalso kept\n")
+    loadgen.write_readme(loadgen.HEADING + "\n\nnew table\n", readme)
+    text = readme.read_text()
+    assert "old table" not in text and "new table" in text
+    assert text.index("## Other") < text.index("new table") < text.index("## Later")
+    assert "kept" in text and "also kept" in text
+    fresh = tmp_path / "new" / "README.md"
+    fresh.parent.mkdir()
+    loadgen.write_readme(loadgen.HEADING + "\n\nfirst\n", fresh)
+    assert fresh.read_text().startswith("# Benchmarks\n\n" + loadgen.HEADING)

@@ -106,6 +106,23 @@ def stop(proc: subprocess.Popen) -> None:
         raise RuntimeError("emitter did not exit on SIGTERM; its log is lost")
 
 
+def cpu_seconds(proc: subprocess.Popen) -> float:
+    """User + sys CPU the emitter (and its workers) used so far."""
+    import psutil
+
+    procs = [psutil.Process(proc.pid)]
+    procs += procs[0].children(recursive=True)
+    return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
+
+
+def busy_seconds(served: dict[int, Emitted]) -> float:
+    """From the first request received to the last chunk sent."""
+    sent = [e for e in served.values() if len(e.chunk_ns)]
+    if not sent:
+        return float("nan")
+    return (max(int(e.chunk_ns[-1]) for e in sent) - min(e.rx_ns for e in sent)) / 1e9
+
+
 def read_log(out_dir: Path) -> dict[int, Emitted]:
     """Every request the emitter served, by sequence number (the number in its first token, " @<seq>")."""
     served: dict[int, Emitted] = {}
