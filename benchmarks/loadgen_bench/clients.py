@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,7 @@ VLLM_PYTHON = ENGINES / "vllm-venv" / "bin" / "python"
 GUIDELLM = ENGINES / "guidellm-venv" / "bin" / "guidellm"
 CLIENTS = ("spectune", "vllm", "guidellm")
 _SEQ = re.compile(r"@(\d+)")
+_Command = tuple[list[str], dict[str, str], Callable[[Path], tuple[list["Observed"], dict[str, float]]]]  # argv, env, parser
 
 
 @dataclass(slots=True)
@@ -117,7 +119,7 @@ def _seq(text: str | None) -> int | None:
 
 # ---- spectune ----------------------------------------------------------------------------------------
 
-def _spectune(url, streams, num_requests, max_tokens, work, profile):
+def _spectune(url: str, streams: int, num_requests: int, max_tokens: int, work: Path, profile: str | None) -> _Command:
     cmd = [sys.executable, "-m", "loadgen_bench.spectune_client", url, str(streams), str(num_requests),
            str(max_tokens), str(work / "spectune.json")]
     if profile == "cprofile":
@@ -158,7 +160,7 @@ _VLLM_MAIN = (
 )
 
 
-def _vllm(url, streams, num_requests, max_tokens, work, profile):
+def _vllm(url: str, streams: int, num_requests: int, max_tokens: int, work: Path, profile: str | None) -> _Command:
     cmd = [
         str(VLLM_PYTHON), "-c", _VLLM_MAIN, "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
         "--model", "emitter", "--tokenizer", str(TOKENIZER), "--dataset-name", "random", "--random-input-len", "16",
@@ -195,7 +197,7 @@ def _parse_vllm(work: Path) -> tuple[list[Observed], dict[str, float]]:
 
 # ---- GuideLLM ----------------------------------------------------------------------------------------
 
-def _guidellm(url, streams, num_requests, max_tokens, work, profile):
+def _guidellm(url: str, streams: int, num_requests: int, max_tokens: int, work: Path, profile: str | None) -> _Command:
     cmd = [
         str(GUIDELLM), "run",
         "--backend", f"kind=openai_http,target={url},request_format=/v1/completions,model=emitter",
