@@ -31,6 +31,7 @@ class ServerSpec:
     name: str  # unique within a plan, e.g. "target", "draft-g4", "ngram-g3"
     engine: str = "embedded"  # embedded | vllm | sglang | llamacpp | openai
     model: str | None = None  # target model path/name (engine default when None)
+    tokenizer: str | None = None  # the served model's tokenizer (tokenizer.json or its dir); default: model's, if local
     method: str | None = None  # draft_model | ngram | eagle | eagle3 | mtp | suffix | dflash | ...
     num_speculative_tokens: int | None = None  # g, the draft steps per round
     draft_model: str | None = None
