@@ -82,14 +82,15 @@ def check() -> None:
 
 
 @contextmanager
-def critical() -> Iterator[None]:
-    """A section Ctrl-C does not cut short (results writes, process launch); it stops right after it."""
+def critical(stop_after: bool = True) -> Iterator[None]:
+    """A section Ctrl-C does not cut short (results writes, process launch); it stops right after it, or, with
+    stop_after=False, at the caller's next check()."""
     _state.critical += 1
     try:
         yield
     finally:
         _state.critical -= 1
-    if _state.critical == 0 and _state.pending:
+    if _state.critical == 0 and _state.pending and stop_after:
         _state.pending = False
         raise KeyboardInterrupt
 

@@ -126,17 +126,18 @@ def _run_sweep(plan: Plan, out: Path, *, resume: bool, log) -> SweepOutcome:
         check_resumable(store, plan)
         store.manifest["status"] = "running"
         store.manifest.setdefault("resumed_at", []).append(_now())
-        with interrupt.critical():
+        with interrupt.critical(stop_after=False):
             store.save_manifest()
     else:
         _preflight(plan)
-        with interrupt.critical():
+        with interrupt.critical(stop_after=False):  # from here on a Ctrl-C ends with the resume command
             store = RunStore.create(out, new_manifest(plan, out.name))
-    finished = store.finished_cells()
-    done_ids = {cid for cid, row in finished.items() if row.get("status") in ("ok", "failed")}
-    todo = [c for c in plan_cells(plan) if c.id not in done_ids]
-    outcome = SweepOutcome(root=out, done=0, failed=0, skipped=len(plan_cells(plan)) - len(todo), interrupted=False)
+    outcome = SweepOutcome(root=out, done=0, failed=0, skipped=0, interrupted=False)
     try:
+        finished = store.finished_cells()
+        done_ids = {cid for cid, row in finished.items() if row.get("status") in ("ok", "failed")}
+        todo = [c for c in plan_cells(plan) if c.id not in done_ids]
+        outcome.skipped = len(plan_cells(plan)) - len(todo)
         for spec in plan.servers:
             interrupt.check()
             cells = [c for c in todo if c.server.name == spec.name]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from spectune import interrupt
 from spectune.errors import SpectuneError
 from spectune.records import Scrape
 
@@ -100,16 +101,17 @@ class ManagedProcess:
             raise TypeError("argv must be a non-empty list of strings")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
-        self.popen = subprocess.Popen(
-            self.argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **self.env},
-            start_new_session=True,  # own process group: stop() reaches the engine's children too
-            preexec_fn=_die_with_parent,
-        )
-        _LIVE.add(self)
+        with interrupt.critical():  # a Ctrl-C waits until the process is known to stop_all_servers
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                start_new_session=True,  # own process group: stop() reaches the engine's children too
+                preexec_fn=_die_with_parent,
+            )
+            _LIVE.add(self)
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None

@@ -4,7 +4,8 @@ server turns out to expose.
 On attach it probes: GET /metrics with vLLM's spec_decode counters (`vllm:`, also what spectune's own engine
 serves) or llama-server's (`llamacpp:`), else SGLang's `sglang:` gauges, and GET /server_info with SGLang's
 `internal_states`. `exposes` lists what was found and scrape() reads it, so acceptance is measured on a server
-spectune did not launch; a hosted endpoint that exposes nothing still gives latency and throughput.
+spectune did not launch (and a llama-server is asked for its per-chunk token counts, timings_per_token); a hosted
+endpoint that exposes nothing still gives latency and throughput.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class OpenAIServer(LaunchedServer):
         self._prefix = next((p for p in COUNTER_PREFIXES if f"{p}spec_decode_num_drafts_total" in names), None)
         if self._prefix is None:  # a target-only vLLM / llama-server: no counters yet, still its gauges
             self._prefix = next((p for p in COUNTER_PREFIXES if any(n.startswith(p) for n in names)), None)
+        if self._prefix == "llamacpp:":  # llama-server counts tokens per chunk only when asked (LlamaCppServer does too)
+            self.extra_body = {"timings_per_token": True}
         info = _json(self._get("/server_info"))
         self._sglang = isinstance(info, dict) and isinstance(info.get("internal_states"), list)
         self._sglang_metrics = any(n.startswith("sglang:") for n in names)
