@@ -201,6 +201,7 @@ def wait_ready(url: str, proc: ManagedProcess | None, timeout_s: float, what: st
     """Poll `url` until it answers 200; fail fast if the process exits, naming its last log lines."""
     deadline = time.monotonic() + timeout_s
     while True:
+        interrupt.check()  # a Ctrl-C some library swallowed still stops the wait (engines take minutes to load)
         if proc is not None and not proc.alive():
             code = proc.popen.returncode if proc.popen else None
             raise SpectuneError(
