@@ -27,12 +27,12 @@ Throughput is over the measured window, first (intended) send to last end (strea
 measured requests: request_throughput_rps = successful requests / duration_s; output_throughput_tps = output
 tokens of successful requests / duration_s (tokens, never chunks); goodput_rps = successful requests
 meeting every limit of the Slo / duration_s (a request with no TPOT, output_tokens <= 1, is judged on
-the other limits; TTFT and e2e are judged from the intended send). num_token_mismatch counts requests whose per-chunk counts (from the server or a tokenizer) do not add up
-to the server's usage total.
+the other limits; TTFT and e2e are judged from the intended send). num_token_mismatch counts requests
+whose per-chunk counts (from the server or a tokenizer) do not add up to the server's usage total.
 
 Speedup (speedup_table): each speculative cell is paired with the target-only cell of the same batch
-size (and request rate, for open-loop cells) and repeat number; the speedup is the geometric mean of the per-repeat ratios, with a 95%
-t-interval on the log-ratios (NaN with a single repeat).
+size (and request rate, for open-loop cells) and repeat number; the speedup is the geometric mean of the
+per-repeat ratios, with a 95% t-interval on the log-ratios (NaN with a single repeat).
 """
 
 from __future__ import annotations
