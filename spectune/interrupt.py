@@ -8,10 +8,16 @@ While a sweep runs it owns SIGINT (`owned_sigint`). The handler records the requ
 The sweep also calls `check()` between stages, so a request that some library swallowed (a cancellation turned
 into a normal return) still stops it. A second Ctrl-C raises KeyboardInterrupt wherever the program is.
 
-Why not Python's defaults: asyncio.run's own SIGINT handler only cancels the main task and turns the
-cancellation back into KeyboardInterrupt if the task ends cancelled; a task that absorbs it (a cancellation
-that lands as a stream times out, a gather that returns) ends normally and the Ctrl-C is gone. And a
-KeyboardInterrupt raised in the middle of writing a finished cell loses that cell.
+Why not Python's defaults: its handler raises KeyboardInterrupt wherever the main thread is, and where that is
+a finalizer (a __del__, a generator closed by the garbage collector) Python prints "Exception ignored" and drops
+it. The sweep's main thread runs such finalizers (asyncio and aiohttp transports, sessions, connectors) all the
+time; sampled every 0.5 ms over a sweep with a CPU hog beside it, about 1 in 1,000 samples was inside one with
+Python's handler active, more when the machine is loaded and a thread is descheduled mid-finalizer. That is how a
+Ctrl-C was lost and the sweep ran every cell and exited 0 (tests/sigint_injected.py reproduces it exactly).
+asyncio.run's own handler has a weaker form of the same bet: it cancels the main task and relies on the task
+ending cancelled. And a KeyboardInterrupt in the middle of writing a finished cell lost that cell. Here the
+request is recorded before anything is raised, so a swallowed KeyboardInterrupt only delays the stop to the next
+check.
 
 SIGINT is one per process, so this state is too (module-level, like the signal itself).
 """

@@ -107,21 +107,35 @@ def test_sigint_during_a_measured_cell_keeps_the_finished_one(tmp_path):
         resume_completes(out, skipped=1)
 
 
+def run_injected(point: str, plan: Path, out: Path) -> str:
+    helper = Path(__file__).with_name("sigint_injected.py")
+    proc = subprocess.run([sys.executable, str(helper), point, str(plan), "--out", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 130, output
+    return output
+
+
 def test_sigint_injected_while_a_finished_cell_is_written_keeps_that_cell(tmp_path):
-    server = ScriptedServer(steps=STEPS)
-    with serve_in_thread(server) as url:
+    with serve_in_thread(ScriptedServer(steps=STEPS)) as url:
         out = tmp_path / "run"
-        plan = write_plan(tmp_path, ATTACHED_PLAN.format(warmup=0, url=url))
-        helper = Path(__file__).with_name("sigint_during_write.py")
-        proc = subprocess.run([sys.executable, str(helper), str(plan), "--out", str(out)], capture_output=True, text=True,
-                              timeout=120)
-        output = proc.stdout + proc.stderr
-        assert proc.returncode == 130, output
+        output = run_injected("write", write_plan(tmp_path, ATTACHED_PLAN.format(warmup=0, url=url)), out)
         cells = interrupted_run(output, out)
         assert {k: c["status"] for k, c in cells.items()} == {"scripted__bs1__r0": "ok"}  # written whole, then stopped
         assert (out / "requests" / "scripted__bs1__r0.parquet").exists()
         assert not list((out / "cells").glob(".*.tmp"))
         resume_completes(out, skipped=1)
+
+
+def test_sigint_injected_inside_a_finalizer_still_stops_the_sweep(tmp_path):
+    # Python drops a KeyboardInterrupt raised in a finalizer ("Exception ignored"): the sweep used to run to the end
+    # and exit 0. The handler records the Ctrl-C before raising, and the sweep checks it between stages.
+    with serve_in_thread(ScriptedServer(steps=STEPS)) as url:
+        out = tmp_path / "run"
+        plan = ATTACHED_PLAN.format(warmup=0, url=url).replace("batch_sizes = [1, 2]\nrepeats = 1", "batch_sizes = [1, 2]\nrepeats = 4")
+        output = run_injected("finalizer", write_plan(tmp_path, plan), out)
+        cells = interrupted_run(output, out)
+        assert 1 <= len(cells) < 8 and {c["status"] for c in cells.values()} <= {"ok", "partial"}
 
 
 LAUNCHED_PLAN = """
