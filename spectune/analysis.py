@@ -194,6 +194,8 @@ def acceptance(before: Scrape, after: Scrape) -> Acceptance:
         rate=accepted / draft_tokens if accepted is not None and draft_tokens else None,
         mean_length=1 + accepted / drafts if accepted is not None else None,
         per_pos=per_pos,
+        num_drafts=drafts,
+        num_accepted_tokens=accepted,
     )
 
 

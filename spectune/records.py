@@ -76,3 +76,5 @@ class Acceptance:
     mean_length: float | None  # tokens per round incl. bonus = 1 + accepted / drafts
     per_pos: tuple[float, ...] = ()  # P(draft at position i accepted) per round
     is_lifetime: bool = False  # True when taken from a server's lifetime mean (SGLang), not this window
+    num_drafts: float | None = None  # the window's counter deltas: request-rounds that drafted,
+    num_accepted_tokens: float | None = None  # and the drafts they accepted (bonus excluded)

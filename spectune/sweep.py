@@ -270,6 +270,7 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log, tokenize
         offsets["end"] = log_size(round_log)
         acc = acceptance(before, after)
         row["acceptance_rate"], row["acceptance_length"] = acc.rate, acc.mean_length
+        row["num_drafts"], row["num_accepted_tokens"] = acc.num_drafts, acc.num_accepted_tokens  # the counters' deltas
         for i, rate in enumerate(acc.per_pos, start=1):
             row[f"accept_pos_{i}"] = rate
         row["kv_cache_usage"] = after.kv_cache_usage
