@@ -99,14 +99,18 @@ def test_sweep_real_llama_server(tmp_path):
 
 def _tokens_agree_with_the_engines_rounds(out, draft: pd.DataFrame, token_source: str) -> None:
     """The tokens the client counted agree with the engine's counters: every output token after the first comes
-    from a decode round, a round that drafted yields its accepted drafts + 1, and with this accepting draft most
-    rounds draft (the rest: near max_tokens or below the drafter's confidence, they decode one token)."""
+    from a decode round, and a round that drafted yields its accepted drafts + 1. So the rounds' tokens are at
+    most the decode tokens plus what a request's last round accepted past max_tokens (counted by the engine, cut
+    from the stream: at most g per request; vLLM does, llama-server drafts no further than the budget), and with
+    this accepting draft most of them (the rest: rounds that did not draft decode one token each)."""
     requests = pd.read_parquet(out / "requests.parquet")
     requests = requests[requests["cell"].isin(draft.index)]
     assert set(requests["token_source"]) == {token_source}
-    decode_tokens = (requests["output_tokens"] - 1).groupby(requests["cell"]).sum()
-    share = (draft["num_accepted_tokens"] + draft["num_drafts"]) / decode_tokens[draft.index]
-    assert share.between(0.6, 1.0).all(), share
+    decode_tokens = (requests["output_tokens"] - 1).groupby(requests["cell"]).sum()[draft.index]
+    past_the_end = draft["num_speculative_tokens"] * requests.groupby("cell").size()[draft.index]
+    from_rounds = draft["num_accepted_tokens"] + draft["num_drafts"]
+    assert (from_rounds >= 0.6 * decode_tokens).all() and (from_rounds <= decode_tokens + past_the_end).all(), (
+        from_rounds, decode_tokens)
 
 
 def test_sweep_real_vllm(tmp_path):
