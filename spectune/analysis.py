@@ -1,31 +1,38 @@
 """Per-request records -> per-cell metrics, acceptance from scrapes, and speedups vs target-only.
 
 Metrics (times in ms, from perf_counter_ns stamps taken by the load generator; a "token chunk" is a
-streamed chunk that carried >= 1 output token, so role-only and empty chunks never count):
-- ttft_ms          send -> first token chunk.
+streamed chunk that carried >= 1 output token, so role-only and empty chunks never count). A request's clock
+starts at its intended send time: its arrival offset under trace and Poisson schedules (what a user waits,
+queueing in the client included), its actual send in closed loop (where the two are the same):
+- ttft_ms          intended send -> first token chunk.
 - icl_ms           inter-chunk latency: one value per gap between consecutive token chunks (what vLLM's
                    bench calls ITL). Under speculative decoding one chunk carries several tokens.
 - itl_ms           inter-token latency: each gap between token chunks split evenly over the tokens of the
                    later chunk (a 30 ms gap bringing 3 tokens gives three values of 10 ms; SGLang's bench).
-                   Extra tokens in the first chunk add no value (they arrive with TTFT).
+                   Extra tokens in the first chunk add no value (they arrive with TTFT). Unknown (NaN, with
+                   per_token_unknown counting the requests) when a server sent no per-chunk counts, no tokenizer
+                   was given and its total does not confirm one token per chunk: never the inter-chunk gap.
 - tpot_ms          per request (e2e_ms - ttft_ms) / (output_tokens - 1); NaN when output_tokens <= 1.
-- e2e_ms           send -> last token chunk (not the end of the stream: the trailing usage chunk and
+- e2e_ms           intended send -> last token chunk (not the end of the stream: the trailing usage chunk and
                    [DONE] carry no tokens, so TPOT and ITL cover the same span).
+- ttft_from_send_ms, e2e_from_send_ms  the same from the actual send (what the server alone is answerable for).
+- queue_delay_ms   actual send - intended send: time queued in the client for a free slot (0 in closed loop).
 - tokens_per_chunk per request output_tokens / number of token chunks.
 output_tokens is the server's final usage count; when a server sends none, the per-chunk sum.
 Pooling: icl_ms and itl_ms pool every gap of every successful request; ttft_ms, tpot_ms, e2e_ms and
 tokens_per_chunk give one value per successful request. Each is reported as _mean, _p50, _p90, _p99
 (linear interpolation). Warm-up requests are left out entirely. Failed requests are left out of the
 latency figures but counted in num_failed and failure_rate; they are never dropped silently.
-Throughput is over the measured window, first send to last end (stream end or failure) among measured
-requests: request_throughput_rps = successful requests / duration_s; output_throughput_tps = output
+Throughput is over the measured window, first (intended) send to last end (stream end or failure) among
+measured requests: request_throughput_rps = successful requests / duration_s; output_throughput_tps = output
 tokens of successful requests / duration_s (tokens, never chunks); goodput_rps = successful requests
 meeting every limit of the Slo / duration_s (a request with no TPOT, output_tokens <= 1, is judged on
-the other limits). num_token_mismatch counts requests whose usage total differs from the per-chunk sum.
+the other limits; TTFT and e2e are judged from the intended send). num_token_mismatch counts requests
+whose per-chunk counts (from the server or a tokenizer) do not add up to the server's usage total.
 
 Speedup (speedup_table): each speculative cell is paired with the target-only cell of the same batch
-size and repeat number; the speedup is the geometric mean of the per-repeat ratios, with a 95%
-t-interval on the log-ratios (NaN with a single repeat).
+size (and request rate, for open-loop cells) and repeat number; the speedup is the geometric mean of the
+per-repeat ratios, with a 95% t-interval on the log-ratios (NaN with a single repeat).
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ import pandas as pd
 from spectune.errors import SpectuneError
 from spectune.records import Acceptance, RequestRecord, Scrape
 
-LATENCY_METRICS = ("ttft_ms", "icl_ms", "itl_ms", "tpot_ms", "e2e_ms", "tokens_per_chunk")
+LATENCY_METRICS = ("ttft_ms", "icl_ms", "itl_ms", "tpot_ms", "e2e_ms", "tokens_per_chunk", "ttft_from_send_ms",
+                   "e2e_from_send_ms", "queue_delay_ms")
 NS_PER_MS = 1e6
 
 
@@ -59,25 +67,30 @@ def request_frame(records: list[RequestRecord]) -> pd.DataFrame:
         if r.warmup:
             continue
         output_tokens = r.output_tokens if r.output_tokens is not None else r.counted_tokens
-        ttft = e2e = math.nan
+        ttft = e2e = ttft_send = e2e_send = math.nan
         if r.chunk_ns:
-            ttft = (r.chunk_ns[0] - r.send_ns) / NS_PER_MS
-            e2e = (r.chunk_ns[-1] - r.send_ns) / NS_PER_MS
+            ttft, e2e = (r.chunk_ns[0] - r.intended) / NS_PER_MS, (r.chunk_ns[-1] - r.intended) / NS_PER_MS
+            ttft_send, e2e_send = (r.chunk_ns[0] - r.send_ns) / NS_PER_MS, (r.chunk_ns[-1] - r.send_ns) / NS_PER_MS
         rows.append(
             {
                 "index": r.index,
                 "send_ns": r.send_ns,
+                "intended_ns": r.intended,
                 "end_ns": r.end_ns,
                 "ttft_ms": ttft,
                 "tpot_ms": (e2e - ttft) / (output_tokens - 1) if output_tokens > 1 else math.nan,
                 "e2e_ms": e2e,
+                "ttft_from_send_ms": ttft_send,
+                "e2e_from_send_ms": e2e_send,
+                "queue_delay_ms": (r.send_ns - r.intended) / NS_PER_MS,
                 "output_tokens": output_tokens,
                 "counted_tokens": r.counted_tokens,
                 "prompt_tokens": r.prompt_tokens,
                 "num_chunks": len(r.chunk_ns),
                 "tokens_per_chunk": output_tokens / len(r.chunk_ns) if r.chunk_ns else math.nan,
                 "token_source": r.token_source,
-                "token_mismatch": r.output_tokens is not None and r.output_tokens != r.counted_tokens,
+                "token_mismatch": r.per_token_known and r.output_tokens is not None and r.output_tokens != r.counted_tokens,
+                "per_token_unknown": not r.per_token_known,
                 "error": r.error,
                 "chunk_ns": list(r.chunk_ns),  # raw: every metric above can be recomputed from these
                 "chunk_tokens": list(r.chunk_tokens),
@@ -88,22 +101,24 @@ def request_frame(records: list[RequestRecord]) -> pd.DataFrame:
 
 
 _FRAME_COLUMNS = [
-    "index", "send_ns", "end_ns", "ttft_ms", "tpot_ms", "e2e_ms", "output_tokens", "counted_tokens",
-    "prompt_tokens", "num_chunks", "tokens_per_chunk", "token_source", "token_mismatch", "error",
-    "chunk_ns", "chunk_tokens", "text",
+    "index", "send_ns", "intended_ns", "end_ns", "ttft_ms", "tpot_ms", "e2e_ms", "ttft_from_send_ms", "e2e_from_send_ms",
+    "queue_delay_ms", "output_tokens", "counted_tokens", "prompt_tokens", "num_chunks", "tokens_per_chunk", "token_source",
+    "token_mismatch", "per_token_unknown", "error", "chunk_ns", "chunk_tokens", "text",
 ]
 
 
 def chunk_gaps(records: list[RequestRecord]) -> tuple[list[float], list[float]]:
-    """(icl_ms, itl_ms) pooled over all successful measured requests."""
+    """(icl_ms, itl_ms) pooled over all successful measured requests; itl_ms is empty when any of them has
+    unknown per-chunk token counts (a figure from the others alone would not describe the cell)."""
     icl, itl = [], []
-    for r in records:
-        if r.warmup or r.error is not None:
-            continue
+    ok = [r for r in records if not r.warmup and r.error is None]
+    known = all(r.per_token_known for r in ok)
+    for r in ok:
         for i in range(1, len(r.chunk_ns)):
             gap = (r.chunk_ns[i] - r.chunk_ns[i - 1]) / NS_PER_MS
             icl.append(gap)
-            itl.extend([gap / r.chunk_tokens[i]] * r.chunk_tokens[i])
+            if known:
+                itl.extend([gap / r.chunk_tokens[i]] * r.chunk_tokens[i])
     return icl, itl
 
 
@@ -116,7 +131,7 @@ def summarize_cell(records: list[RequestRecord], slo: Slo | None = None) -> dict
     summary: dict[str, float] = {}
     for name in LATENCY_METRICS:
         summary |= _stats(name, pooled[name] if name in pooled else ok[name])
-    duration_s = float(frame["end_ns"].max() - frame["send_ns"].min()) / 1e9 if len(frame) else math.nan
+    duration_s = float(frame["end_ns"].max() - frame["intended_ns"].min()) / 1e9 if len(frame) else math.nan
     per_s = 1.0 / duration_s if duration_s > 0 else math.nan
     output_tokens_total = int(ok["output_tokens"].sum())
     summary |= {
@@ -128,6 +143,7 @@ def summarize_cell(records: list[RequestRecord], slo: Slo | None = None) -> dict
         "output_throughput_tps": output_tokens_total * per_s,
         "output_tokens_total": output_tokens_total,
         "num_token_mismatch": int(frame["token_mismatch"].sum()),
+        "per_token_unknown": int(ok["per_token_unknown"].sum()),
     }
     if slo is not None:
         summary["goodput_rps"] = int(_meets(ok, slo).sum()) * per_s
@@ -178,6 +194,8 @@ def acceptance(before: Scrape, after: Scrape) -> Acceptance:
         rate=accepted / draft_tokens if accepted is not None and draft_tokens else None,
         mean_length=1 + accepted / drafts if accepted is not None else None,
         per_pos=per_pos,
+        num_drafts=drafts,
+        num_accepted_tokens=accepted,
     )
 
 
@@ -208,14 +226,20 @@ def speedup_table(
     elif baseline not in targets:
         raise SpectuneError(f"baseline: {baseline!r} has no ok target-only cells; choose one of {', '.join(targets)}")
     target = ok[ok["server"] == baseline]
+    # open-loop cells: the same rate too (NaN for closed loop, so a mixed plan pairs like with like)
+    has_rate = "request_rate" in ok and ok["request_rate"].notna().any()
+    if has_rate:
+        ok, target = ok.assign(request_rate=ok["request_rate"].fillna(0.0)), target.assign(request_rate=target["request_rate"].fillna(0.0))
+    keys = ["batch_size", "request_rate"] if has_rate else ["batch_size"]
     rows = []
-    for (server, batch_size), spec in ok[ok["is_speculative"].astype(bool)].groupby(["server", "batch_size"], sort=True):
-        pairs = spec.merge(target[target["batch_size"] == batch_size], on="repeat", suffixes=("", "_target"))
+    for (server, *axis), spec in ok[ok["is_speculative"].astype(bool)].groupby(["server", *keys], sort=True):
+        at = target[(target[keys] == axis).all(axis=1)]
+        pairs = spec.merge(at, on="repeat", suffixes=("", "_target"))
         speedup, low, high = _ratio_ci(pairs[metric] / pairs[f"{metric}_target"])
         row = {
             "server": server,
             "num_speculative_tokens": spec["num_speculative_tokens"].iloc[0],
-            "batch_size": batch_size,
+            **dict(zip(keys, axis)),
             "num_repeats": len(pairs),
             "speedup": speedup,
             "speedup_ci_low": low,

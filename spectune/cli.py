@@ -170,25 +170,41 @@ def _recorded_plan(root: Path, overrides: dict):
 def bench(
     url: str = typer.Option(..., help="Base URL of a running OpenAI-compatible server, e.g. http://127.0.0.1:8000"),
     model: Optional[str] = typer.Option(None, help="Model name for request bodies (default: the server's first model)."),
-    concurrency: int = typer.Option(1, min=1, help="Requests in flight (the batch size)."),
+    concurrency: int = typer.Option(1, min=1, help="Requests in flight (the batch size); with --request-rate, the cap on them."),
     num_prompts: int = typer.Option(16, min=1, help="Measured requests."),
     max_tokens: int = typer.Option(64, min=1, help="Output tokens per request (ignore_eos keeps them fixed)."),
     workload: str = typer.Option("code", help="code, quote, random, phase, or a JSONL/ShareGPT file."),
     out: Path = typer.Option(..., help="Results directory to write."),
     api_key_env: Optional[str] = typer.Option(None, help="Environment variable that holds the API key."),
+    tokenizer: Optional[str] = typer.Option(None, help="The served model's tokenizer (tokenizer.json or an HF model dir): "
+                                            "counts the tokens of each chunk when the server sends no per-chunk counts."),
+    request_rate: Optional[float] = typer.Option(None, help="Open loop: requests per second (Poisson arrivals, seeded) "
+                                                 "instead of a closed loop."),
+    burstiness: Optional[float] = typer.Option(None, help="With --request-rate: gamma shape of the gaps (1 = Poisson, < 1 bursty)."),
+    slo_ttft_ms: Optional[float] = typer.Option(None, help="Goodput: TTFT limit (ms, from the intended send)."),
+    slo_tpot_ms: Optional[float] = typer.Option(None, help="Goodput: TPOT limit (ms)."),
+    slo_e2e_ms: Optional[float] = typer.Option(None, help="Goodput: end-to-end limit (ms, from the intended send)."),
 ) -> None:
-    """Measure one cell against an already-running server and write the same files as a sweep."""
-    from spectune.plan import Plan
-    from spectune.servers.base import ServerSpec
+    """Measure one cell against an already-running server (attached, not launched) and write the same files as a sweep."""
+    from spectune.plan import plan_from_dict
     from spectune.sweep import run_sweep
 
-    spec = ServerSpec(name="server", engine="openai", url=url, model=model, api_key_env=api_key_env)
-    p = Plan(name="bench", workload=workload, batch_sizes=(concurrency,), repeats=1, max_tokens=max_tokens,
-             prompts_per_slot=1, min_prompts=num_prompts, servers=(spec,))
+    server = {"name": "server", "engine": "openai", "url": url, "model": model, "api_key_env": api_key_env, "tokenizer": tokenizer}
+    raw = {"name": "bench", "workload": workload, "batch_sizes": [concurrency], "repeats": 1, "max_tokens": max_tokens,
+           "prompts_per_slot": 1, "min_prompts": num_prompts, "burstiness": burstiness, "slo_ttft_ms": slo_ttft_ms,
+           "slo_tpot_ms": slo_tpot_ms, "slo_e2e_ms": slo_e2e_ms,
+           "servers": [{k: v for k, v in server.items() if v is not None}]}
+    if request_rate is not None:
+        raw |= {"schedule": "poisson", "request_rates": [request_rate]}
+    p = plan_from_dict({k: v for k, v in raw.items() if v is not None}, source="spectune bench")
     outcome = run_sweep(p, out, log=typer.echo)
     if outcome.interrupted:
+        typer.echo(f"Interrupted. Resume with: spectune sweep --resume {out}", err=True)
         raise typer.Exit(130)
     typer.echo(f"Results: {out} (cells/, requests/, cells.parquet)")
+    if outcome.failed:
+        typer.echo(f"the cell failed: its cause is in {out}/cells/*.json", err=True)
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -1,13 +1,15 @@
 """Streaming load generator: sends a request list on a schedule and timestamps every chunk. No analysis.
 
-Token counting, per chunk, never assuming one token per chunk. In order of preference:
-  usage      `usage.completion_tokens` on every chunk (vLLM/SGLang `continuous_usage_stats`): the delta
-  timings    llama-server's cumulative `timings.predicted_n` (sent per chunk with timings_per_token)
-  token_ids  `choices[0].token_ids` (vLLM `return_token_ids`)
-  text       1 token per chunk with non-empty text: a guess, flagged in RequestRecord.token_source
-Role-only and empty chunks carry no tokens. A chunk without `choices` (the final usage chunk) only sets
-`output_tokens`; if that total differs from the per-chunk sum, both are kept (output_tokens and
-counted_tokens) and analysis flags the mismatch.
+Per chunk the reader does the least it can: stamp the arrival (perf_counter_ns), parse the JSON (a malformed
+chunk or an error object ends the request at once) and keep it. Everything else waits for the end of the
+request: text, and the tokens each chunk carried (spectune.tokens: per-chunk usage, llama-server timings,
+token_ids, or the served model's tokenizer over the text, reconciled with the final usage total; never one
+token per chunk unless the total confirms it).
+
+Send times: each record keeps when the request was actually sent (`send_ns`) and, for schedules with arrival
+offsets (trace, Poisson), when it was meant to be (`intended_ns`): a request that waits for a free slot under
+the concurrency cap is late by that wait, and latency measured from the intended time shows it (no coordinated
+omission). Closed loop has no intended time of its own: a request is meant to go when a slot frees.
 
 Warm-up: `warmup_requests` requests (taken cyclically from the same list) go first, through the same
 schedule, and are returned flagged `warmup=True` (analysis leaves them out). `after_warmup` runs once
@@ -24,11 +26,16 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import aiohttp
 
 from spectune.records import Request, RequestRecord
+from spectune.tokens import count_tokens
 from spectune.workload import Schedule
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 
 def request_body(
@@ -67,6 +74,7 @@ async def run_requests(
     warmup_requests: int = 0,
     after_warmup: Callable[[], None] | None = None,
     records: list[RequestRecord] | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> list[RequestRecord]:
     """Send `requests` on `schedule`; return one record per request (warm-up ones first, flagged).
 
@@ -74,7 +82,8 @@ async def run_requests(
     HTTP status other than 200, a malformed chunk, a stream that ends without [DONE], no SSE line for
     `stall_timeout_s` (the wait for the first one included), or no end within `request_timeout_s`.
     Records are appended to `records` (pass an empty list, or None for a new one) as requests finish,
-    and sorted by (warm-up first, index) at the end; that same list is returned.
+    and sorted by (warm-up first, index) at the end; that same list is returned. `tokenizer` (the served
+    model's) counts the tokens of chunks that say nothing of their own (spectune.tokens).
     """
     out = [] if records is None else records
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
@@ -85,6 +94,7 @@ async def run_requests(
         request_timeout_s=request_timeout_s,
         stall_timeout_s=stall_timeout_s,
         sampling=dict(temperature=temperature, seed=seed, ignore_eos=ignore_eos, extra_body=extra_body),
+        tokenizer=tokenizer,
     )
     timeout = aiohttp.ClientTimeout(total=None)  # our own timer (see _Sender._stream) covers every wait
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
@@ -123,9 +133,9 @@ async def _run_phase(
     slots = asyncio.Semaphore(schedule.max_concurrency) if schedule.max_concurrency else None
     tasks: list[asyncio.Task] = []
 
-    async def send(request: Request) -> None:
+    async def send(request: Request, intended_ns: int | None) -> None:
         try:
-            out.append(await sender.send(session, request, is_warmup))
+            out.append(await sender.send(session, request, is_warmup, intended_ns))
         finally:
             if slots is not None:
                 slots.release()
@@ -133,13 +143,15 @@ async def _run_phase(
     start_ns = time.perf_counter_ns()
     try:
         for request, offset in zip(requests, offsets):
+            intended_ns = None
             if offset is not None:
-                delay_ns = start_ns + int(offset * 1e9) - time.perf_counter_ns()
+                intended_ns = start_ns + int(offset * 1e9)
+                delay_ns = intended_ns - time.perf_counter_ns()
                 if delay_ns > 0:
                     await asyncio.sleep(delay_ns / 1e9)
             if slots is not None:
-                await slots.acquire()
-            tasks.append(asyncio.create_task(send(request)))
+                await slots.acquire()  # waiting here is client-side queueing: the request is late from now on
+            tasks.append(asyncio.create_task(send(request, intended_ns)))
         await asyncio.gather(*tasks)
     finally:  # on cancellation (or a bug), close every open stream before leaving
         for task in tasks:
@@ -157,12 +169,15 @@ class _Sender:
     request_timeout_s: float
     stall_timeout_s: float
     sampling: dict  # request_body's keyword arguments
+    tokenizer: Tokenizer | None = None
 
-    async def send(self, session: aiohttp.ClientSession, request: Request, is_warmup: bool) -> RequestRecord:
+    async def send(
+        self, session: aiohttp.ClientSession, request: Request, is_warmup: bool, intended_ns: int | None = None
+    ) -> RequestRecord:
         path = "/v1/chat/completions" if request.messages is not None else "/v1/completions"
         data = json.dumps(request_body(request, self.model, **self.sampling)).encode("utf-8")
         for attempt in range(2):
-            record = RequestRecord(index=request.index, send_ns=time.perf_counter_ns(), warmup=is_warmup)
+            record = RequestRecord(index=request.index, send_ns=time.perf_counter_ns(), warmup=is_warmup, intended_ns=intended_ns)
             try:
                 unsent = await self._stream(session, self.base_url + path, data, record)
             finally:
@@ -179,7 +194,7 @@ class _Sender:
         # (asyncio.wait_for nested in asyncio.timeout can swallow the outer cancel on Python 3.11.)
         loop = asyncio.get_running_loop()
         request_end = loop.time() + self.request_timeout_s
-        num_chunks, counter = 0, _TokenCounter()
+        chunks: list[tuple[int, dict]] = []  # (arrival, parsed chunk): all the per-chunk work done while streaming
         timer = asyncio.timeout(min(request_end, loop.time() + self.stall_timeout_s))
         answered = False
         try:
@@ -194,7 +209,7 @@ class _Sender:
                     line = await response.content.readline()
                     now_ns = time.perf_counter_ns()
                     if not line:
-                        record.error = f"stream ended early after {num_chunks} chunks (no [DONE])"
+                        record.error = f"stream ended early after {len(chunks)} chunks (no [DONE])"
                         return
                     payload = _sse_data(line)
                     if payload is None:
@@ -208,34 +223,33 @@ class _Sender:
                     if not isinstance(chunk, dict):
                         record.error = f"malformed chunk: {payload[:100].decode('utf-8', 'replace')!r}"
                         return
-                    num_chunks += 1
                     if "error" in chunk:
                         record.error = f"server error in stream: {json.dumps(chunk['error'])[:200]}"
                         return
-                    tokens, text = counter.count(chunk)
-                    record.text += text
-                    if tokens > 0:
-                        record.chunk_ns.append(now_ns)
-                        record.chunk_tokens.append(tokens)
-                    usage = chunk.get("usage")
-                    if isinstance(usage, dict):
-                        record.output_tokens = usage.get("completion_tokens", record.output_tokens)
-                        record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
+                    chunks.append((now_ns, chunk))
         except TimeoutError:
             if timer.when() is not None and timer.when() < request_end:
-                record.error = f"stall: no chunk for {self.stall_timeout_s:g} s after {num_chunks} chunks"
+                record.error = f"stall: no chunk for {self.stall_timeout_s:g} s after {len(chunks)} chunks"
             else:
                 record.error = f"timeout: no end after {self.request_timeout_s:g} s (request_timeout_s)"
         except aiohttp.ClientConnectorError as e:
             record.error = f"connection failed: {e}"
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionResetError) as e:
-            record.error = f"stream ended early after {num_chunks} chunks ({type(e).__name__}: {e})"
+            record.error = f"stream ended early after {len(chunks)} chunks ({type(e).__name__}: {e})"
             return not answered and isinstance(e, (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError))
         except ValueError as e:  # aiohttp: a line longer than its buffer
             record.error = f"malformed chunk: {e}"
         finally:
-            record.token_source = counter.source
+            _fill(record, chunks, self.tokenizer)
         return False
+
+
+def _fill(record: RequestRecord, chunks: list[tuple[int, dict]], tokenizer: Tokenizer | None) -> None:
+    """The deferred per-chunk work, once the stream has ended: text and tokens per chunk."""
+    counted = count_tokens(chunks, tokenizer)
+    record.chunk_ns, record.chunk_tokens, record.text = counted.chunk_ns, counted.chunk_tokens, counted.text
+    record.output_tokens, record.prompt_tokens = counted.output_tokens, counted.prompt_tokens
+    record.token_source = counted.source
 
 
 def _sse_data(line: bytes) -> bytes | None:
@@ -244,41 +258,3 @@ def _sse_data(line: bytes) -> bytes | None:
     if not line.startswith(b"data:"):
         return None
     return line[5:].strip()
-
-
-class _TokenCounter:
-    """Tokens carried by each chunk of one stream (see the module docstring for the order of sources)."""
-
-    def __init__(self) -> None:
-        self.source = ""  # the source used so far; "text" once any chunk had to be guessed
-        self.counted = 0
-
-    def count(self, chunk: dict) -> tuple[int, str]:
-        choices = chunk.get("choices")
-        if not choices or not isinstance(choices[0], dict):
-            return 0, ""  # usage-only chunk: a total, not new tokens
-        choice = choices[0]
-        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
-        text = choice.get("text") or delta.get("content") or delta.get("reasoning_content") or ""
-        text = text if isinstance(text, str) else ""
-        source, cumulative = _cumulative_tokens(chunk)
-        if cumulative is not None and self.source in ("", source):
-            tokens = max(0, cumulative - self.counted)
-        elif isinstance(choice.get("token_ids"), list) and self.source in ("", "token_ids"):
-            source, tokens = "token_ids", len(choice["token_ids"])
-        else:
-            source, tokens = "text", 1 if text else 0
-        if tokens or source != "text":
-            self.source = source
-        self.counted += tokens
-        return tokens, text
-
-
-def _cumulative_tokens(chunk: dict) -> tuple[str, int | None]:
-    usage = chunk.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        return "usage", usage["completion_tokens"]
-    timings = chunk.get("timings")
-    if isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
-        return "timings", timings["predicted_n"]
-    return "", None

@@ -28,8 +28,12 @@ class Plan:
 
     name: str = "sweep"
     workload: str = "code"  # shipped name (code, quote, random, phase) or a JSONL/ShareGPT file
-    schedule: str = "closed"  # closed: batch size = requests in flight; trace: replay the workload's arrival_s, batch size caps it
+    # closed: batch size = requests in flight; trace: replay the workload's arrival_s; poisson: open loop at each
+    # of request_rates (gamma gaps, burstiness); under trace and poisson each batch size caps the requests in flight
+    schedule: str = "closed"
     batch_sizes: tuple[int, ...] = (1, 4, 16)
+    request_rates: tuple[float, ...] = ()  # poisson: requests per second, one cell per rate (and batch size)
+    burstiness: float = 1.0  # poisson: gamma shape of the gaps; 1 = Poisson, < 1 bursty, > 1 even
     repeats: int = 2
     max_tokens: int = 64
     prompts_per_slot: int = 4  # a cell sends max(min_prompts, prompts_per_slot * batch_size) requests
@@ -41,6 +45,9 @@ class Plan:
     request_timeout_s: float = 120.0
     stall_timeout_s: float = 30.0
     max_failure_rate: float = 0.05  # cells above it are flagged and left out of tuning
+    slo_ttft_ms: float | None = None  # goodput_rps counts the requests meeting every limit given
+    slo_tpot_ms: float | None = None
+    slo_e2e_ms: float | None = None
     servers: tuple[ServerSpec, ...] = ()
 
     def num_prompts(self, batch_size: int) -> int:
@@ -52,11 +59,15 @@ class Plan:
 
 _PLAN_KEYS = {f.name for f in dataclasses.fields(Plan)} - {"servers"}
 _SERVER_KEYS = {f.name for f in dataclasses.fields(ServerSpec)}
+# keys added after runs were recorded: left out of the dict (and the digest) at their defaults, so older runs resume
+_LATER_KEYS = {"request_rates": (), "burstiness": 1.0, "slo_ttft_ms": None, "slo_tpot_ms": None, "slo_e2e_ms": None}
 
 
 def plan_to_dict(plan: Plan) -> dict:
-    out = {k: getattr(plan, k) for k in sorted(_PLAN_KEYS)}
+    out = {k: getattr(plan, k) for k in sorted(_PLAN_KEYS) if _LATER_KEYS.get(k, ...) != getattr(plan, k)}
     out["batch_sizes"] = list(plan.batch_sizes)
+    if plan.request_rates:
+        out["request_rates"] = list(plan.request_rates)
     out["servers"] = [_spec_to_dict(s) for s in plan.servers]
     return out
 
@@ -86,6 +97,12 @@ def plan_from_dict(raw: dict, source: str = "plan", **overrides: object) -> Plan
     _check_types(fields, source)
     if "batch_sizes" in fields:
         fields["batch_sizes"] = tuple(fields["batch_sizes"])
+    if "request_rates" in fields:
+        fields["request_rates"] = tuple(float(r) for r in fields["request_rates"])
+    if fields.get("schedule") == "poisson" and not fields.get("request_rates"):
+        raise SpectuneError(f"{source}: schedule = \"poisson\" needs request_rates, e.g. request_rates = [1.0, 2.0, 4.0] (requests/s)")
+    if fields.get("request_rates") and fields.get("schedule") != "poisson":
+        raise SpectuneError(f"{source}: request_rates apply to schedule = \"poisson\"; set it, or remove request_rates")
     servers_raw = raw.get("servers", [])
     if not isinstance(servers_raw, list) or not servers_raw:
         raise SpectuneError(f"{source}: needs at least one [[servers]] table (a target-only baseline first)")
@@ -113,14 +130,26 @@ def _check_types(fields: dict, source: str) -> None:
             v = fields[key]
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise SpectuneError(f"{source}: {key} = {v!r}: must be a number >= 0")
+    for key in ("burstiness", "slo_ttft_ms", "slo_tpot_ms", "slo_e2e_ms"):
+        if fields.get(key) is not None:
+            v = fields[key]
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise SpectuneError(f"{source}: {key} = {v!r}: must be a number > 0")
+    if "request_rates" in fields:
+        rates = fields["request_rates"]
+        if not isinstance(rates, (list, tuple)) or any(not isinstance(r, (int, float)) or isinstance(r, bool) or not r > 0 for r in rates):
+            raise SpectuneError(f"{source}: request_rates = {rates!r}: must be a list of numbers > 0 (requests/s), e.g. [1.0, 2.0]")
+        if list(rates) != sorted(set(rates)):
+            raise SpectuneError(f"{source}: request_rates = {list(rates)!r}: must be ascending without repeats")
     if "batch_sizes" in fields:
         bs = fields["batch_sizes"]
         if not isinstance(bs, (list, tuple)) or not bs or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in bs):
             raise SpectuneError(f"{source}: batch_sizes = {bs!r}: must be a non-empty list of integers >= 1, e.g. [1, 4, 16]")
         if list(bs) != sorted(set(bs)):
             raise SpectuneError(f"{source}: batch_sizes = {list(bs)!r}: must be ascending without repeats")
-    if "schedule" in fields and fields["schedule"] not in ("closed", "trace"):
-        raise SpectuneError(f"{source}: schedule = {fields['schedule']!r}: use \"closed\" (fixed concurrency) or \"trace\" (the workload's arrival_s)")
+    if "schedule" in fields and fields["schedule"] not in ("closed", "trace", "poisson"):
+        raise SpectuneError(f"{source}: schedule = {fields['schedule']!r}: use \"closed\" (fixed concurrency), \"trace\" (the "
+                            "workload's arrival_s) or \"poisson\" (open loop at request_rates)")
     if "workload" in fields and (not isinstance(fields["workload"], str) or not fields["workload"]):
         raise SpectuneError(f"{source}: workload must be a non-empty string: a shipped name or a file path")
     if "name" in fields and (not isinstance(fields["name"], str) or not _NAME.fullmatch(fields["name"])):

@@ -193,6 +193,8 @@ def replay_traffic(run: Run, source: str, max_concurrency: int) -> Traffic:
 
 def _static_cells(run: Run, fit: CostFit) -> pd.DataFrame:
     cells = run.cells[(run.cells["status"] == "ok") & (run.cells["engine"] == fit.engine) & run.cells["adaptive_config"].isna()]
+    if "cell" in cells:  # as the sweep wrote it (batch_size may since have become the batch size the server ran)
+        return cells
     return cells.assign(cell=[cell_id(s, b, r) for s, b, r in zip(cells["server"], cells["batch_size"], cells["repeat"])])
 
 
@@ -236,6 +238,8 @@ def serving_cost(run: Run, fit: CostFit) -> ServingCost:
                             f"static {fit.method} servers; use --objective throughput or latency for other engines")
     lowest = target[target["batch_size"] == target["batch_size"].min()]
     first = run.requests[run.requests["cell"].isin(lowest["cell"]) & run.requests["error"].isna()]
+    if "ttft_from_send_ms" in first:  # the engine's own time, without any wait in the client (trace sweeps)
+        first = first.assign(ttft_ms=first["ttft_from_send_ms"])
     return fit_serving_cost(pd.concat(method_logs), pd.concat(target_logs), fit.cost.batch_sizes, first)
 
 

@@ -357,7 +357,9 @@ def window_profiles(trace: Trace, window: int = 50) -> list[AcceptanceProfile]:
 # What a request experiences: the traffic is sent as the load generator sends it and the embedded engine's loop
 # (spectune/engine: EngineThread._run, Scheduler.schedule) is replayed step by step on the fitted step costs.
 # - Client: requests go in list order, each at its arrival offset and only while fewer than max_concurrency are
-#   in flight (else when one finishes); its clock (TTFT, e2e) starts when it is sent, as the load generator's.
+#   in flight (else when one finishes). TTFT and e2e count from the arrival, as the load generator's do for trace
+#   and Poisson traffic (time queued in the client included: the objectives see overload); ttft_from_send_ms and
+#   e2e_from_send_ms count from the send, queue_delay_ms is send - arrival.
 # - The server takes requests in one at a time (one event loop parses and tokenizes them), request_overhead_ms
 #   each: a request reaches the engine that long after its send or after the one before it reached the engine,
 #   whichever is later; so a burst trickles in and the engine prefills its first request alone. Before every step
@@ -415,7 +417,8 @@ def draw_acceptance(traffic: Traffic, profiles: dict[str, PositionalAcceptance],
 @dataclass(frozen=True, slots=True, eq=False)
 class RequestSimResult:
     policy: str
-    requests: pd.DataFrame  # per request: group, arrival/send/first_token/finish ms, ttft/tpot/e2e ms, tokens, rounds
+    requests: pd.DataFrame  # per request: group, arrival/send/first_token/finish ms, ttft/tpot/e2e ms (from arrival),
+    # ttft/e2e_from_send_ms, queue_delay_ms, tokens, rounds
     steps: pd.DataFrame  # per engine step: start_ms, kind, batch_size, steps, tokens, ms
 
     @property
@@ -512,7 +515,8 @@ def simulate_requests(
         for i in batch[generated[batch] >= output[batch]].tolist():
             end(i)
             done += 1
-    ttft, e2e = first - send, finish - send
+    arrival = traffic.arrival_ms
+    ttft, e2e = first - arrival, finish - arrival
     requests = pd.DataFrame({
         "group": list(traffic.groups),
         "arrival_ms": traffic.arrival_ms,
@@ -522,6 +526,9 @@ def simulate_requests(
         "ttft_ms": ttft,
         "tpot_ms": np.where(output > 1, (e2e - ttft) / np.maximum(output - 1, 1), np.nan),
         "e2e_ms": e2e,
+        "ttft_from_send_ms": first - send,
+        "e2e_from_send_ms": finish - send,
+        "queue_delay_ms": send - arrival,
         "prompt_tokens": prompt,
         "output_tokens": output,
         "decode_rounds": rounds,

@@ -2,7 +2,8 @@
 
 Layout of results/<run>/:
   run.json                    manifest: plan, digests, engine versions, hardware, git sha, progress (rewritten atomically)
-  cells/<cell>.json           one finished cell: metrics, acceptance, memory, status (written last: the commit marker)
+  cells/<cell>.json           one finished cell: metrics, acceptance, memory, status (written last: the commit marker);
+                              <cell> = <server>__bs<N>__r<R>, open-loop cells <server>__bs<N>__rate<req/s>__r<R>
   requests/<cell>.parquet     that cell's per-request rows (raw chunk timestamps + derived latencies)
   rounds/<server>.jsonl       per-round log of the embedded engine (what the adaptive simulator replays)
   logs/<server>.log           server output
@@ -53,8 +54,11 @@ def _json_default(o: object) -> object:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def cell_id(server: str, batch_size: int, repeat: int) -> str:
-    return f"{server}__bs{batch_size}__r{repeat}"
+def cell_id(server: str, batch_size: int, repeat: int, request_rate: float | None = None) -> str:
+    """`target__bs16__r0`; an open-loop cell also names its rate (requests/s): `target__bs16__rate2.5__r0`."""
+    if request_rate is None or request_rate != request_rate:  # None or NaN: closed loop or trace
+        return f"{server}__bs{batch_size}__r{repeat}"
+    return f"{server}__bs{batch_size}__rate{request_rate:g}__r{repeat}"
 
 
 @dataclass(slots=True)
@@ -99,7 +103,7 @@ class RunStore:
         return out
 
     def write_cell(self, row: dict, requests: "pd.DataFrame | None") -> None:
-        cid = cell_id(row["server"], row["batch_size"], row["repeat"])
+        cid = cell_id(row["server"], row["batch_size"], row["repeat"], row.get("request_rate"))
         if requests is not None:
             import io
 
@@ -154,7 +158,8 @@ def load_run(root: str | Path) -> Run:
     rows = list(store.finished_cells().values())
     cells = pd.DataFrame(rows)
     if not cells.empty:
-        cells = cells.sort_values(["server", "batch_size", "repeat"], kind="stable").reset_index(drop=True)
+        order = ["server", "batch_size", "request_rate", "repeat"] if "request_rate" in cells else ["server", "batch_size", "repeat"]
+        cells = cells.sort_values(order, kind="stable").reset_index(drop=True)
     frames = []
     for path in sorted((root / "requests").glob("*.parquet")):
         if (root / "cells" / f"{path.stem}.json").exists():

@@ -1,8 +1,10 @@
-"""Run a sweep plan: every server, every batch size, every repeat, on identical traffic.
+"""Run a sweep plan: every server, every batch size (and request rate, open loop), every repeat, on identical traffic.
 
-For each server: launch once, then for each (batch size, repeat) not yet finished: reset its cache, warm up at
-the same concurrency, scrape, send the measured requests, scrape again, and write the cell atomically before
+For each server: launch once, then for each (batch size, rate, repeat) not yet finished: reset its cache, warm up
+at the same concurrency, scrape, send the measured requests, scrape again, and write the cell atomically before
 the next one starts. A server that dies fails only the cell it died in; it is restarted and the sweep goes on.
+Ctrl-C stops it at any moment (spectune.interrupt): the cell in flight is written as partial, finished cells are
+kept, and the run resumes with --resume.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from spectune import interrupt
 from spectune.errors import SpectuneError
 from spectune.plan import Plan, plan_to_dict
 from spectune.servers.base import ServerSpec, stop_all_servers
@@ -24,12 +27,13 @@ from spectune.store import RunStore, cell_id
 @dataclass(frozen=True, slots=True)
 class Cell:
     server: ServerSpec
-    batch_size: int
+    batch_size: int  # closed loop: requests in flight; trace and poisson: the cap on them
     repeat: int
+    request_rate: float | None = None  # schedule "poisson": requests per second
 
     @property
     def id(self) -> str:
-        return cell_id(self.server.name, self.batch_size, self.repeat)
+        return cell_id(self.server.name, self.batch_size, self.repeat, self.request_rate)
 
 
 @dataclass(slots=True)
@@ -41,18 +45,33 @@ class SweepOutcome:
     interrupted: bool
 
 
+def _rates(plan: Plan) -> tuple[float | None, ...]:
+    return plan.request_rates if plan.schedule == "poisson" else (None,)
+
+
 def plan_cells(plan: Plan) -> list[Cell]:
-    return [Cell(s, bs, r) for s in plan.servers for bs in plan.batch_sizes for r in range(plan.repeats)]
+    return [Cell(s, bs, r, rate) for s in plan.servers for bs in plan.batch_sizes for rate in _rates(plan) for r in range(plan.repeats)]
 
 
-def traffic_for(plan: Plan, batch_size: int):
-    """The exact requests and schedule every server gets at this batch size (a pure function of the plan)."""
-    from spectune.workload import ClosedLoop, Trace, load_requests, traffic_digest
+def traffic_for(plan: Plan, batch_size: int, request_rate: float | None = None):
+    """The exact requests and schedule every server gets at this batch size and rate (a pure function of the plan:
+    Poisson arrivals are drawn from the plan's seed, so every server gets the same arrival times)."""
+    from spectune.workload import ClosedLoop, Poisson, Trace, load_requests, traffic_digest
 
     requests = load_requests(plan.workload, num_prompts=plan.num_prompts(batch_size), max_tokens=plan.max_tokens, seed=plan.seed)
-    schedule = ClosedLoop(concurrency=batch_size) if plan.schedule == "closed" else Trace(max_concurrency=batch_size)
+    if plan.schedule == "poisson":
+        schedule = Poisson(rate_per_s=request_rate, burstiness=plan.burstiness, seed=plan.seed, max_concurrency=batch_size)
+    elif plan.schedule == "trace":
+        schedule = Trace(max_concurrency=batch_size)
+    else:
+        schedule = ClosedLoop(concurrency=batch_size)
     digest = traffic_digest(requests, schedule, _sampling(plan))
     return requests, schedule, digest
+
+
+def traffic_key(batch_size: int, request_rate: float | None = None) -> str:
+    """Key of run.json's traffic_digests: "16", or "16@2.5" for 2.5 requests/s capped at 16 in flight."""
+    return str(batch_size) if request_rate is None else f"{batch_size}@{request_rate:g}"
 
 
 def _sampling(plan: Plan) -> dict:
@@ -60,7 +79,7 @@ def _sampling(plan: Plan) -> dict:
 
 
 def traffic_digests(plan: Plan) -> dict[str, str]:
-    return {str(bs): traffic_for(plan, bs)[2] for bs in plan.batch_sizes}
+    return {traffic_key(bs, rate): traffic_for(plan, bs, rate)[2] for bs in plan.batch_sizes for rate in _rates(plan)}
 
 
 def new_manifest(plan: Plan, run_id: str) -> dict:
@@ -91,36 +110,49 @@ def check_resumable(store: RunStore, plan: Plan) -> None:
         changed = sorted(k for k in now if m.get("traffic_digests", {}).get(k) != now[k])
         raise SpectuneError(
             f"{store.root / 'run.json'}: the workload changed since this run started (traffic digest differs at batch sizes "
-            f"{changed}); restore the original workload file or start a new run with another --out"
+            f"[@rates] {changed}); restore the original workload file or start a new run with another --out"
         )
 
 
 def run_sweep(plan: Plan, out: Path, *, resume: bool = False, log=print) -> SweepOutcome:
-    """Measure every cell of the plan into `out`; on resume only the unfinished ones."""
+    """Measure every cell of the plan into `out`; on resume only the unfinished ones. Owns SIGINT meanwhile."""
+    with interrupt.owned_sigint():
+        return _run_sweep(plan, out, resume=resume, log=log)
+
+
+def _run_sweep(plan: Plan, out: Path, *, resume: bool, log) -> SweepOutcome:
     if resume:
         store = RunStore.open(out)
         check_resumable(store, plan)
         store.manifest["status"] = "running"
         store.manifest.setdefault("resumed_at", []).append(_now())
-        store.save_manifest()
+        with interrupt.critical(stop_after=False):
+            store.save_manifest()
     else:
         _preflight(plan)
-        store = RunStore.create(out, new_manifest(plan, out.name))
-    finished = store.finished_cells()
-    done_ids = {cid for cid, row in finished.items() if row.get("status") in ("ok", "failed")}
-    todo = [c for c in plan_cells(plan) if c.id not in done_ids]
-    outcome = SweepOutcome(root=out, done=0, failed=0, skipped=len(plan_cells(plan)) - len(todo), interrupted=False)
+        with interrupt.critical(stop_after=False):  # from here on a Ctrl-C ends with the resume command
+            store = RunStore.create(out, new_manifest(plan, out.name))
+    outcome = SweepOutcome(root=out, done=0, failed=0, skipped=0, interrupted=False)
     try:
+        finished = store.finished_cells()
+        done_ids = {cid for cid, row in finished.items() if row.get("status") in ("ok", "failed")}
+        todo = [c for c in plan_cells(plan) if c.id not in done_ids]
+        outcome.skipped = len(plan_cells(plan)) - len(todo)
         for spec in plan.servers:
+            interrupt.check()
             cells = [c for c in todo if c.server.name == spec.name]
             if cells:
                 _run_server(plan, store, spec, cells, outcome, log)
     except KeyboardInterrupt:
         outcome.interrupted = True
     finally:
-        stop_all_servers()
-        _update_progress(store, plan, outcome)
-        store.finalize()
+        try:
+            with interrupt.critical():  # a Ctrl-C now waits for the servers to stop and the files to be written
+                stop_all_servers()
+                _update_progress(store, plan, outcome)
+                store.finalize()
+        except KeyboardInterrupt:
+            outcome.interrupted = True
     return outcome
 
 
@@ -128,7 +160,7 @@ def _preflight(plan: Plan) -> None:
     """Checks that fail before anything launches: bad workload, ports in use, mismatched tokenizers."""
     from spectune.servers.base import check_port_free
 
-    traffic_for(plan, plan.batch_sizes[0])  # raises on a bad workload file
+    traffic_for(plan, plan.batch_sizes[0], _rates(plan)[0])  # raises on a bad workload file
     for spec in plan.servers:
         if spec.url is None and spec.port is not None:
             check_port_free(spec.host, spec.port)
@@ -137,6 +169,7 @@ def _preflight(plan: Plan) -> None:
     from spectune.tokenizer_check import check_tokenizers
 
     for spec in plan.servers:
+        _served_tokenizer(spec)  # the tokenizer that counts tokens of chunks without counts must load
         if spec.adaptive_config:
             validate_sglang_config(spec.adaptive_config)
         if spec.engine == "sglang" and spec.is_speculative:
@@ -148,48 +181,74 @@ def _run_server(plan: Plan, store: RunStore, spec: ServerSpec, cells: list[Cell]
     from spectune.servers import make_server
 
     server = make_server(spec, store.log_dir(), round_log=store.round_log_path(spec.name), max_batch_size=max(plan.batch_sizes))
+    tokenizer = _served_tokenizer(spec)
     started = False
     try:
         for i, cell in enumerate(cells):
+            interrupt.check()
             if not started or not server.alive():
-                log(f"[{spec.name}] {'server is down; restarting' if started else 'starting'} {spec.engine} server")
+                if spec.url:
+                    log(f"[{spec.name}] {'server is down; attaching again to' if started else 'attaching to'} {spec.engine} server at {spec.url}")
+                else:
+                    log(f"[{spec.name}] {'server is down; restarting' if started else 'starting'} {spec.engine} server")
                 server.stop()
                 try:
                     server.start()
                 except SpectuneError as e:  # never ready: fail this server's remaining cells, go on with the next server
-                    for rest in cells[i:]:
-                        store.write_cell({**_cell_header(plan, rest, traffic_for(plan, rest.batch_size)[2]),
-                                          "status": "failed", "error": f"server did not start: {e}", "finished_at": _now()}, None)
-                        outcome.failed += 1
-                    log(f"[{spec.name}] server did not start: {e}")
+                    what = "could not attach" if spec.url else "server did not start"
+                    with interrupt.critical():
+                        for rest in cells[i:]:
+                            store.write_cell({**_cell_header(plan, rest, traffic_for(plan, rest.batch_size, rest.request_rate)[2]),
+                                              "status": "failed", "error": f"{what}: {e}", "finished_at": _now()}, None)
+                            outcome.failed += 1
+                    log(f"[{spec.name}] {what}: {e}")
                     return
                 started = True
                 store.manifest["engines"][spec.name] = {"engine": spec.engine, "version": server.engine_version(), "pid": server.pid()}
-                store.save_manifest()
-            row = _measure_cell(plan, store, server, cell, log)
+                exposes = getattr(server, "exposes", None)  # an attached server: what it was found to tell about itself
+                if exposes is not None:
+                    store.manifest["engines"][spec.name]["exposes"] = exposes
+                    log(f"[{spec.name}] acceptance from: {', '.join(exposes) or 'nothing (no speculative counters found)'}")
+                with interrupt.critical():
+                    store.save_manifest()
+            row = _measure_cell(plan, store, server, cell, log, tokenizer)
             if row["status"] == "failed":
                 outcome.failed += 1
             else:
                 outcome.done += 1
-            _update_progress(store, plan, outcome)
+            with interrupt.critical():
+                _update_progress(store, plan, outcome)
     finally:
         server.stop()
 
 
-def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log) -> dict:
-    from spectune.analysis import acceptance, request_frame, summarize_cell
+def _served_tokenizer(spec: ServerSpec):
+    """The served model's tokenizer (spectune.tokens.tokenizer_path), or None when none is known."""
+    from spectune.tokens import load_tokenizer, tokenizer_path
+
+    path = tokenizer_path(spec.model, spec.tokenizer, spec.engine)
+    where = f"server {spec.name!r}: tokenizer" if spec.tokenizer else f"server {spec.name!r}: model"
+    return load_tokenizer(path, where) if path is not None else None
+
+
+def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log, tokenizer=None) -> dict:
+    from spectune.analysis import Slo, acceptance, request_frame, summarize_cell
     from spectune.loadgen import run_requests
     from spectune.servers.memory import MemorySampler
-    import asyncio
+    from spectune.servers.running import GaugeSampler, in_flight_mean, log_size, round_log_batch_mean
 
-    requests, schedule, digest = traffic_for(plan, cell.batch_size)
+    requests, schedule, digest = traffic_for(plan, cell.batch_size, cell.request_rate)
     row: dict = _cell_header(plan, cell, digest)
     records: list = []
     common = dict(temperature=plan.temperature, seed=plan.seed, ignore_eos=plan.ignore_eos, api_key=_api_key(cell.server),
                   request_timeout_s=plan.request_timeout_s, stall_timeout_s=plan.stall_timeout_s,
-                  extra_body=server.extra_body or None)
+                  extra_body=server.extra_body or None, tokenizer=tokenizer)
     warmup = plan.warmup_per_slot * cell.batch_size
     sampler = MemorySampler(server.pid())
+    round_log = getattr(server, "round_log", None)  # the embedded engine logs its rounds
+    # open loop: the batch size the server ran is not the cell's; without a round log, sample its running gauge
+    gauge = GaugeSampler(lambda: server.scrape().num_running) if cell.request_rate is not None and round_log is None else None
+    offsets: dict[str, int | None] = {}
     interrupted = False
     try:
         sampler.start()
@@ -198,15 +257,20 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log) -> dict:
         def reset_and_scrape() -> None:  # a warm-up fills the prefix cache with these very prompts
             server.reset_cache()
             scrapes.append(server.scrape())
+            offsets["start"] = log_size(round_log)
+            if gauge is not None:
+                gauge.start()
 
         if not warmup:
             reset_and_scrape()
-        asyncio.run(run_requests(server.base_url, server.model_name, requests, schedule, records=records,
-                                 warmup_requests=warmup, after_warmup=reset_and_scrape if warmup else None, **common))
+        interrupt.run(run_requests(server.base_url, server.model_name, requests, schedule, records=records,
+                                   warmup_requests=warmup, after_warmup=reset_and_scrape if warmup else None, **common))
         before = scrapes[0]
         after = server.scrape()
+        offsets["end"] = log_size(round_log)
         acc = acceptance(before, after)
         row["acceptance_rate"], row["acceptance_length"] = acc.rate, acc.mean_length
+        row["num_drafts"], row["num_accepted_tokens"] = acc.num_drafts, acc.num_accepted_tokens  # the counters' deltas
         for i, rate in enumerate(acc.per_pos, start=1):
             row[f"accept_pos_{i}"] = rate
         row["kv_cache_usage"] = after.kv_cache_usage
@@ -218,8 +282,15 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log) -> dict:
     finally:
         mem = sampler.stop()
         row["mem_peak_mb"], row["mem_mean_mb"], row["mem_source"] = mem.peak_mb, mem.mean_mb, mem.source
+        gauged = gauge.stop() if gauge is not None else None
     measured = [r for r in records if not r.warmup]
-    row.update(summarize_cell(measured))
+    slo = Slo(ttft_ms=plan.slo_ttft_ms, tpot_ms=plan.slo_tpot_ms, e2e_ms=plan.slo_e2e_ms)
+    row.update(summarize_cell(measured, slo if slo != Slo() else None))
+    for source, ran in (("round_log", round_log_batch_mean(round_log, offsets.get("start"), offsets.get("end"))),
+                        ("gauge", gauged), ("client", in_flight_mean(measured))):
+        if ran is not None:
+            row["batch_size_ran"], row["batch_size_ran_source"] = ran, source
+            break
     if interrupted:
         row["status"], row["error"] = "partial", "interrupted (Ctrl-C); spectune sweep --resume re-runs this cell"
     elif not server.alive():
@@ -232,7 +303,8 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log) -> dict:
         prompts = {r.index: r.prompt if r.prompt is not None else "\n".join(f"{role}: {text}" for role, text in r.messages or ())
                    for r in requests}
         frame["prompt"] = frame["index"].map(prompts)
-    store.write_cell(row, frame)
+    with interrupt.critical():  # a finished cell is written whole, whenever Ctrl-C comes
+        store.write_cell(row, frame)
     log(_cell_line(row))
     if interrupted:
         raise KeyboardInterrupt
@@ -251,6 +323,8 @@ def _cell_header(plan: Plan, cell: Cell, digest: str) -> dict:
         "adaptive_config": s.adaptive_config,
         "batch_size": cell.batch_size,
         "repeat": cell.repeat,
+        "schedule": plan.schedule,
+        "request_rate": cell.request_rate,
         "workload": plan.workload,
         "traffic_digest": digest,
         "status": "ok",
@@ -263,7 +337,8 @@ def _cell_line(row: dict) -> str:
     tput = row.get("output_throughput_tps")
     tpot = row.get("tpot_ms_mean")
     acc = row.get("acceptance_rate")
-    parts = [f"[{row['server']}] bs={row['batch_size']} r={row['repeat']} {row['status']}"]
+    rate = f" rate={row['request_rate']:g}/s" if row.get("request_rate") is not None else ""
+    parts = [f"[{row['server']}] bs={row['batch_size']}{rate} r={row['repeat']} {row['status']}"]
     if tput is not None:
         parts.append(f"{tput:.1f} tok/s")
     if tpot is not None and tpot == tpot:

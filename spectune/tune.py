@@ -78,13 +78,21 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcom
 
 
 def load_results(results_dir: str | Path) -> Run:
-    """A closed-loop sweep's results directory (spectune.store's layout)."""
+    """A sweep's results directory (spectune.store's layout). Under an open-loop schedule (trace, poisson) a cell's
+    batch_size is only the cap on requests in flight: there each cell counts at the batch size its server actually
+    ran (batch_size_ran, rounded; the cap stays in batch_size_cap), which is what an adaptive config's slots see."""
     run = load_run(results_dir)
     if run.cells.empty:
         raise SpectuneError(f"{results_dir}: no finished cells; run `spectune sweep` first (or let it finish)")
-    if run.manifest.get("plan", {}).get("schedule", "closed") != "closed":
-        raise SpectuneError(f"{results_dir}/run.json: schedule is {run.manifest['plan']['schedule']!r}, where batch size is only a cap; "
-                            "tune from a closed-loop sweep (schedule = \"closed\"), which measures each batch size")
+    schedule = run.manifest.get("plan", {}).get("schedule", "closed")
+    if schedule != "closed":
+        ran = run.cells["batch_size_ran"] if "batch_size_ran" in run.cells else pd.Series(float("nan"), index=run.cells.index)
+        if ran.isna().all():
+            raise SpectuneError(f"{results_dir}/run.json: schedule is {schedule!r}, where batch size is only a cap, and no cell "
+                                "recorded the batch size its server ran; sweep again with this spectune version, or tune from a "
+                                "closed-loop sweep (schedule = \"closed\")")
+        ran = ran.round().clip(lower=1).fillna(run.cells["batch_size"]).astype(int)
+        run.cells = run.cells.assign(batch_size_cap=run.cells["batch_size"], batch_size=ran)
     return run
 
 

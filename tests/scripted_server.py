@@ -4,11 +4,18 @@ Every request gets: an empty first chunk (role only, no tokens), then one chunk 
 carrying Step.tokens tokens, then a final usage chunk (no choices) and [DONE]. The server records what it
 received and the perf_counter_ns time at which it wrote each token chunk: the ground truth for metrics.
 `mode` injects one fault; `fail_indices` limits it to some requests (index = body seed - base_seed).
+
+With a `tokenizer`, each chunk's text is real text that this tokenizer splits into exactly Step.tokens tokens
+(the decoded pieces of one tokenized passage), as a server streaming k accepted tokens per chunk sends it.
+GET /v1/models (and /health) make it attachable by `spectune bench` and an `openai` sweep. To catch a sweep at a
+known point: from the `hold_from`-th request on (0-based, in arrival order) every stream waits after its role
+chunk, and with `hold_models` GET /v1/models waits, until `release` is set (release_from_thread()).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
@@ -45,6 +52,10 @@ class Seen:
 
 
 DEFAULT_STEPS = (Step(0.05, 2), Step(0.03, 3), Step(0.02, 1), Step(0.04, 4), Step(0.01, 1))
+PASSAGE = (  # ASCII prose and code: its tokens decode and re-encode to themselves
+    "The quick brown fox jumps over the lazy dog while the server streams its answer. "
+    "def add(a, b):\n    return a + b\n\nclass Counter:\n    def __init__(self):\n        self.count = 0\n"
+)
 
 
 class ScriptedServer:
@@ -55,11 +66,25 @@ class ScriptedServer:
         counting: str = "continuous",
         fail_indices: set[int] | None = None,
         usage_total_offset: int = 0,  # added to the final usage total, to fake a server that miscounts
+        tokenizer=None,  # a tokenizers.Tokenizer: chunk text it splits into exactly Step.tokens tokens
+        hold_from: int | None = None,
+        hold_models: bool = False,
+        model: str = "scripted",
     ) -> None:
         assert mode in MODES and counting in COUNTING
         self.steps, self.mode, self.counting = steps, mode, counting
         self.fail_indices = fail_indices
         self.usage_total_offset = usage_total_offset
+        self.hold_from, self.hold_models, self.model = hold_from, hold_models, model
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.models_asked = 0
+        self.pieces: list[str] | None = None  # with a tokenizer: the text of each step's chunk
+        if tokenizer is not None:
+            ids = tokenizer.encode(PASSAGE, add_special_tokens=False).ids
+            ids = list(itertools.islice(itertools.cycle(ids), sum(step.tokens for step in steps)))
+            full = tokenizer.decode(ids)
+            cuts = [0] + [len(tokenizer.decode(ids[:end])) for end in itertools.accumulate(step.tokens for step in steps)]
+            self.pieces = [full[a:b] for a, b in zip(cuts, cuts[1:])]
         self.seen: list[Seen] = []
         self.num_open = 0
         self.max_open = 0
@@ -68,9 +93,12 @@ class ScriptedServer:
 
     async def start(self) -> str:
         self.release = asyncio.Event()  # bound to the running loop
+        self.loop = asyncio.get_running_loop()
         app = web.Application()
         app.router.add_post("/v1/completions", self.handle)
         app.router.add_post("/v1/chat/completions", self.handle)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.models)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -82,6 +110,16 @@ class ScriptedServer:
         self.release.set()
         if self.runner is not None:
             await self.runner.cleanup()
+
+    def release_from_thread(self) -> None:
+        """Let every held stream and model list go on (from a thread other than the server's)."""
+        self.loop.call_soon_threadsafe(self.release.set)
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.models_asked += 1
+        if self.hold_models:
+            await self.release.wait()
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         recv_ns = time.perf_counter_ns()
@@ -102,6 +140,8 @@ class ScriptedServer:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         await self._send(response, self._chunk(chat, 0, 0, first=True))
+        if self.hold_from is not None and self.seen.index(seen) >= self.hold_from:
+            await self.release.wait()
         total = 0
         for i, step in enumerate(self.steps):
             await asyncio.sleep(step.delay_s)
@@ -122,7 +162,7 @@ class ScriptedServer:
             total += step.tokens
             seen.write_ns.append(time.perf_counter_ns())
             seen.tokens.append(step.tokens)
-            await self._send(response, self._chunk(chat, step.tokens, total))
+            await self._send(response, self._chunk(chat, step.tokens, total, step=i))
         while mode == "slow":  # keep streaming token-free chunks: the stall timer never fires
             await asyncio.sleep(0.02)
             await self._send(response, self._chunk(chat, 0, total))
@@ -135,8 +175,11 @@ class ScriptedServer:
         await response.write_eof()
         return response
 
-    def _chunk(self, chat: bool, tokens: int, total: int, first: bool = False) -> dict:
-        text = "".join(f" t{total - tokens + k}" for k in range(tokens))
+    def _chunk(self, chat: bool, tokens: int, total: int, first: bool = False, step: int | None = None) -> dict:
+        if self.pieces is not None and step is not None:
+            text = self.pieces[step]
+        else:
+            text = "".join(f" t{total - tokens + k}" for k in range(tokens))
         if chat:
             choice = {"index": 0, "delta": {"role": "assistant", "content": ""} if first else {"content": text}}
         else:

@@ -8,15 +8,19 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 from scripted_server import COUNTING, DEFAULT_STEPS, ScriptedServer, Step, serve_in_thread
+from tokenizers import Tokenizer
 
+import spectune
 from spectune.analysis import request_frame, summarize_cell
 from spectune.loadgen import request_body, run_cell, run_requests
 from spectune.records import Request
-from spectune.workload import ClosedLoop, Poisson, load_requests, traffic_digest
+from spectune.workload import ClosedLoop, Poisson, Trace, load_requests, traffic_digest
 
 pytestmark = pytest.mark.timeout(120)  # a hung stream fails fast instead of after 600 s
 MS = 1e6
@@ -54,7 +58,7 @@ def ground_truth(records, server: ScriptedServer) -> dict[str, list[float]]:
     return truth
 
 
-def measure_quietly(requests, schedule, attempts: int = 5):
+def measure_quietly(requests, schedule, attempts: int = 5, make_server=ScriptedServer, **kwargs):
     """Run until no chunk reached the client more than TOLERANCE_MS after the server wrote it.
 
     On this shared 2-core machine the OS sometimes deschedules the test for a 4 ms tick; such a run
@@ -63,8 +67,8 @@ def measure_quietly(requests, schedule, attempts: int = 5):
     gc.disable()
     try:
         for _ in range(attempts):
-            server = ScriptedServer()
-            records = asyncio.run(run_against(server, requests, schedule))
+            server = make_server()
+            records = asyncio.run(run_against(server, requests, schedule, **kwargs))
             by_index = {s.index: s for s in server.seen}
             delays = [
                 (c - w) / MS
@@ -176,11 +180,12 @@ def test_tokens_per_chunk_come_from_the_best_source_the_server_sends(counting):
     [record] = asyncio.run(run_against(server, completion_requests(1), ClosedLoop(1)))
     true_tokens = [s.tokens for s in DEFAULT_STEPS]
     frame = request_frame([record])
-    if counting == "final_only":  # nothing per chunk: one token per non-empty chunk, flagged
-        assert record.token_source == "text"
-        assert record.chunk_tokens == [1] * len(true_tokens)
+    if counting == "final_only":  # nothing per chunk and no tokenizer: only the total is known, and said so
+        assert record.token_source == "unknown"
+        assert record.chunk_tokens == [1] * len(true_tokens)  # placeholders, never used as counts
         assert record.output_tokens == sum(true_tokens)  # the usage total is kept, nothing scaled
-        assert bool(frame["token_mismatch"].iloc[0]) and summarize_cell([record])["num_token_mismatch"] == 1
+        assert bool(frame["per_token_unknown"].iloc[0]) and not frame["token_mismatch"].iloc[0]
+        assert summarize_cell([record])["per_token_unknown"] == 1
     else:
         assert record.token_source == {"continuous": "usage", "token_ids": "token_ids", "timings": "timings"}[counting]
         assert record.chunk_tokens == true_tokens
@@ -194,6 +199,93 @@ def test_a_usage_total_that_disagrees_with_the_chunks_is_kept_and_flagged():
     assert record.counted_tokens == sum(s.tokens for s in DEFAULT_STEPS)
     assert record.output_tokens == record.counted_tokens + 2
     assert summarize_cell([record])["num_token_mismatch"] == 1
+
+
+SHIPPED_TOKENIZER = Path(spectune.__file__).parent / "engine" / "assets" / "target" / "tokenizer.json"
+K_STEPS = tuple(Step(0.03, 3) for _ in range(8))  # a chunk of 3 tokens every 30 ms: 10 ms per token
+
+
+def k_token_server(counting: str, **kwargs) -> ScriptedServer:
+    """Streams real text, 3 tokens (of the shipped tokenizer) per chunk, as speculative decoding does."""
+    return ScriptedServer(steps=K_STEPS, counting=counting, tokenizer=Tokenizer.from_file(str(SHIPPED_TOKENIZER)), **kwargs)
+
+
+@pytest.mark.parametrize("counting, use_tokenizer, source", [
+    ("final_only", True, "tokenizer"),  # only a final total: the tokenizer counts each chunk's text
+    ("continuous", False, "usage"),  # per-chunk usage: the same figure without a tokenizer
+    ("continuous", True, "usage"),  # and the server's own counts win over the tokenizer's
+])
+def test_itl_is_the_true_per_token_latency_when_chunks_carry_several_tokens(counting, use_tokenizer, source):
+    tokenizer = Tokenizer.from_file(str(SHIPPED_TOKENIZER)) if use_tokenizer else None
+    records, server = measure_quietly(completion_requests(3), ClosedLoop(3), make_server=lambda: k_token_server(counting),
+                                      tokenizer=tokenizer)
+    truth = ground_truth(records, server)
+    summary = summarize_cell(records)
+    assert {r.token_source for r in records} == {source}
+    assert all(r.chunk_tokens == [3] * len(K_STEPS) for r in records)
+    assert summary["itl_ms_mean"] == pytest.approx(np.mean(truth["itl"]), abs=2.0)
+    assert summary["itl_ms_p50"] == pytest.approx(np.percentile(truth["itl"], 50), abs=2.0)
+    assert summary["icl_ms_mean"] == pytest.approx(np.mean(truth["icl"]), abs=2.0)
+    assert summary["itl_ms_mean"] < summary["icl_ms_mean"] / 2  # per token, not per chunk
+    assert summary["per_token_unknown"] == 0 and summary["num_token_mismatch"] == 0
+    assert summary["tokens_per_chunk_mean"] == 3
+
+
+def test_without_per_chunk_counts_or_a_tokenizer_itl_is_unknown_never_the_chunk_gap():
+    records, server = measure_quietly(completion_requests(3), ClosedLoop(3), make_server=lambda: k_token_server("final_only"))
+    truth = ground_truth(records, server)
+    summary = summarize_cell(records)
+    assert {r.token_source for r in records} == {"unknown"}
+    assert all(math.isnan(summary[f"itl_ms_{s}"]) for s in ("mean", "p50", "p90", "p99"))
+    assert summary["per_token_unknown"] == 3 and summary["num_token_mismatch"] == 0  # said, not flagged as an error
+    # what needs only the total is still measured: chunk gaps, TPOT, tokens per chunk
+    assert summary["icl_ms_mean"] == pytest.approx(np.mean(truth["icl"]), abs=2.0)
+    assert summary["tpot_ms_mean"] == pytest.approx(np.mean(truth["tpot"]), abs=TOLERANCE_MS)
+    assert summary["tokens_per_chunk_mean"] == 3
+
+
+def test_a_total_the_tokenizer_count_misses_is_spread_over_the_chunks_and_says_so():
+    server = k_token_server("final_only", usage_total_offset=2)  # the server's total: 2 more than the text holds
+    [record] = asyncio.run(run_against(server, completion_requests(1), ClosedLoop(1),
+                                       tokenizer=Tokenizer.from_file(str(SHIPPED_TOKENIZER))))
+    assert record.token_source == "tokenizer+spread"
+    assert record.counted_tokens == record.output_tokens == 3 * len(K_STEPS) + 2
+    assert sorted(record.chunk_tokens) == [3] * (len(K_STEPS) - 2) + [4, 4]  # in proportion to the counts
+    assert summarize_cell([record])["num_token_mismatch"] == 0
+
+
+def test_trace_overloading_the_cap_ttft_from_arrival_grows_with_the_queue_and_from_send_does_not():
+    # 8 requests all due at 0 s, at most 2 in flight, each 60 ms long: they can only go in 4 waves
+    steps = (Step(0.02, 1), Step(0.02, 1), Step(0.02, 1))
+    requests = [Request(index=i, prompt=f"prompt {i}", messages=None, max_tokens=3, arrival_s=0.0) for i in range(8)]
+    records, server = measure_quietly(requests, Trace(max_concurrency=2), make_server=lambda: ScriptedServer(steps=steps))
+    frame = request_frame(records).set_index("index").sort_index()
+    wave = frame.index // 2
+    assert (frame["intended_ns"] == frame["intended_ns"].iloc[0]).all()  # every request was due at the same moment
+    assert np.allclose(frame["ttft_ms"], frame["ttft_from_send_ms"] + frame["queue_delay_ms"])
+    # queued in the client: a wave is sent only when one of the wave before has ended (>= 60 ms after its send)
+    queue = frame["queue_delay_ms"].groupby(wave).min()
+    assert queue.iloc[0] < 5 and all(queue.iloc[w] >= 60 * w for w in range(4)), queue.tolist()
+    by_wave = frame.groupby(wave)[["ttft_ms", "ttft_from_send_ms"]].mean()
+    assert by_wave["ttft_ms"].is_monotonic_increasing and by_wave["ttft_ms"].iloc[-1] - by_wave["ttft_ms"].iloc[0] >= 180
+    # from the actual send: what the server took (its 20 ms to the first chunk), the same in every wave
+    truth = ground_truth(records, server)["ttft"]
+    assert frame["ttft_from_send_ms"].to_numpy() == pytest.approx(sorted_by_index(records, truth), abs=TOLERANCE_MS)
+    assert by_wave["ttft_from_send_ms"].max() - by_wave["ttft_from_send_ms"].min() < 20
+    summary = summarize_cell(records)
+    assert summary["ttft_ms_mean"] > summary["ttft_from_send_ms_mean"] + 60
+    assert summary["queue_delay_ms_mean"] == pytest.approx(summary["ttft_ms_mean"] - summary["ttft_from_send_ms_mean"])
+
+
+def sorted_by_index(records, values):
+    return [v for _, v in sorted(zip([r.index for r in records], values))]
+
+
+def test_closed_loop_keeps_intended_equal_to_actual():
+    records = asyncio.run(run_against(ScriptedServer(steps=(Step(0.01, 1),)), completion_requests(4), ClosedLoop(2)))
+    frame = request_frame(records)
+    assert (frame["intended_ns"] == frame["send_ns"]).all() and (frame["queue_delay_ms"] == 0).all()
+    assert (frame["ttft_ms"] == frame["ttft_from_send_ms"]).all() and (frame["e2e_ms"] == frame["e2e_from_send_ms"]).all()
 
 
 def test_two_servers_receive_byte_identical_traffic_and_digests_match():

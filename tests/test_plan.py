@@ -47,17 +47,40 @@ BAD_PLANS = [
     ('[[servers]]\nname = "t"\n[[servers]]\nname = "t"\n', "unique"),
     ('[[servers]]\nname = "t"\nnum_speculative_tokens = 3\n', "without `method`"),
     ('[[servers]\nname = "t"\n', "not valid TOML"),
+    ('schedule = "poisson"\n[[servers]]\nname = "t"\n', "needs request_rates"),
+    ('request_rates = [1.0]\n[[servers]]\nname = "t"\n', "request_rates apply to schedule = \"poisson\""),
+    ('schedule = "poisson"\nrequest_rates = [0]\n[[servers]]\nname = "t"\n', "request_rates = [0]: must be a list of numbers > 0"),
+    ('schedule = "poisson"\nrequest_rates = [2, 1]\n[[servers]]\nname = "t"\n', "ascending"),
+    ('schedule = "open"\n[[servers]]\nname = "t"\n', "\"poisson\" (open loop at request_rates)"),
+    ('burstiness = 0\n[[servers]]\nname = "t"\n', "burstiness = 0: must be a number > 0"),
+    ('slo_ttft_ms = -5\n[[servers]]\nname = "t"\n', "slo_ttft_ms = -5: must be a number > 0"),
+    ('[[servers]]\nname = "t"\ntokenizer = "/no/such/dir"\n', "server 't': tokenizer: cannot read a tokenizer at /no/such/dir"),
 ]
 
 
 @pytest.mark.parametrize("text,expected", BAD_PLANS)
 def test_bad_plan_is_one_clear_error(tmp_path, text, expected):
+    from spectune.sweep import _preflight
+
     path = tmp_path / "plan.toml"
     path.write_text(text)
     with pytest.raises(SpectuneError) as info:
-        load_plan(path)
+        _preflight(load_plan(path))  # what the sweep checks before anything launches
     assert expected in str(info.value)
-    assert str(path) in str(info.value)
+    assert str(path) in str(info.value) or "tokenizer" in expected
+
+
+def test_open_loop_and_slo_keys_load_and_older_plans_keep_their_digest():
+    from spectune.plan import plan_to_dict
+
+    plan = plan_from_dict({"schedule": "poisson", "request_rates": [1, 2.5], "burstiness": 0.5, "slo_ttft_ms": 200,
+                           "slo_tpot_ms": 20, "batch_sizes": [8], "servers": [{"name": "t"}]})
+    assert plan.request_rates == (1.0, 2.5) and plan.burstiness == 0.5 and (plan.slo_ttft_ms, plan.slo_e2e_ms) == (200, None)
+    assert plan_from_dict(plan_to_dict(plan)) == plan
+    # keys added later are left out of the digest at their defaults: a run started before them still resumes
+    closed = plan_from_dict({"servers": [{"name": "t"}]})
+    assert not {"request_rates", "burstiness", "slo_ttft_ms", "slo_tpot_ms", "slo_e2e_ms"} & set(plan_to_dict(closed))
+    assert "tokenizer" not in plan_to_dict(closed)["servers"][0]
 
 
 def test_bad_plan_through_the_cli_exits_2_with_one_line(tmp_path, spectune_cmd):

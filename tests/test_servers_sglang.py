@@ -1,5 +1,7 @@
-"""The SGLang adapter against a real HTTP server on 127.0.0.1 answering with SGLang-shaped bodies
-(SGLang cannot serve on CPU here; tests/data/README.md says where the bodies come from)."""
+"""The SGLang adapter against a real HTTP server on 127.0.0.1 answering with SGLang-shaped bodies: SGLang cannot
+serve on CPU here, so the bodies are derived from its released server code (tests/sglang_payloads.py, which also
+writes them; tests/data/README.md names the file and function each shape comes from), and checked against that
+code below."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ from pathlib import Path
 
 from aiohttp import web
 from engine_fixtures import running_app
+from prometheus_client.parser import text_string_to_metric_families
 from sglang_compat import sglang_package_dir
+from sglang_payloads import METRICS_FILE, SERVER_INFO_FILE, metric_definitions
 
 from spectune.servers import make_server
 from spectune.servers.base import ServerSpec
@@ -38,7 +42,7 @@ def _sglang_app(seen: list[str], with_metrics: bool = True) -> web.Application:
     return app
 
 
-def test_attach_scrape_and_reset_recorded_sglang_payloads(tmp_path):
+def test_attach_scrape_and_reset_on_sglang_shaped_payloads(tmp_path):
     seen: list[str] = []
     with running_app(_sglang_app(seen)) as url:
         server = make_server(ServerSpec(name="sg", engine="sglang", url=url), tmp_path)
@@ -47,7 +51,7 @@ def test_attach_scrape_and_reset_recorded_sglang_payloads(tmp_path):
         assert server.pid() is None and server.alive()
         scrape = server.scrape()
         assert (scrape.num_steps, scrape.avg_accept_length) == (1, 2.4375)  # live steps, lifetime accept length
-        assert scrape.kv_cache_usage == 0.0412
+        assert scrape.kv_cache_usage == 0.0412 and scrape.num_running == 12
         assert "GET /metrics" in seen
         server.reset_cache()
         assert seen[-1] == "POST /flush_cache"
@@ -57,13 +61,55 @@ def test_attach_scrape_and_reset_recorded_sglang_payloads(tmp_path):
     assert not server.alive()
 
 
-def test_scrape_without_enable_metrics_uses_server_info_alone_recorded_sglang_payloads(tmp_path):
+def test_scrape_without_enable_metrics_uses_server_info_alone_on_sglang_shaped_payloads(tmp_path):
     seen: list[str] = []
     with running_app(_sglang_app(seen, with_metrics=False)) as url:
         server = make_server(ServerSpec(name="sg", engine="sglang", url=url, model="eagle-adaptive"), tmp_path)
         server.start()
         scrape = server.scrape()
     assert (scrape.num_steps, scrape.avg_accept_length, scrape.kv_cache_usage) == (1, 2.4375, None)
+
+
+def test_the_metrics_payload_has_sglangs_own_family_names_types_help_and_labels():
+    definitions = metric_definitions(sglang_package_dir())  # read from srt/observability/metrics_collector.py
+    families = list(text_string_to_metric_families(METRICS_FILE.read_text()))
+    assert {"sglang:token_usage", "sglang:spec_accept_length", "sglang:spec_num_steps", "sglang:num_running_reqs"} <= {
+        f.name for f in families}
+    for family in families:
+        for sample in family.samples:
+            d = definitions[sample.name]
+            assert (family.type, family.documentation) == (d["type"], d["help"]), sample.name
+            assert sorted(sample.labels) == sorted(d["labels"]), sample.name
+
+
+def _string_keys(path: Path, functions: set[str]) -> set[str]:
+    """Every string a function of SGLang's writes as a dict key or a subscript (`{"version": ...}`, `state["x"] =`)."""
+    keys = set()
+    for fn in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        if fn.name in functions:
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Dict):
+                    keys |= {k.value for k in node.keys if isinstance(k, ast.Constant)}
+                elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.ctx, ast.Store):
+                    keys.add(node.slice.value)
+    return keys
+
+
+def test_the_server_info_payload_has_only_fields_sglangs_code_writes():
+    srt = sglang_package_dir() / "srt"
+    top = (_string_keys(srt / "entrypoints" / "http_server.py", {"server_info"})
+           | _string_keys(srt / "utils" / "common.py", {"build_server_info"})
+           | _string_keys(srt / "managers" / "scheduler.py", {"get_init_info"}))
+    per_rank = _string_keys(srt / "managers" / "scheduler_components" / "internal_state.py",
+                            {"_add_topology", "_add_memory_usage", "_add_speculative"})
+    memory = _string_keys(srt / "managers" / "scheduler_components" / "memory_usage.py", {"build_memory_usage"})
+    info = json.loads(SERVER_INFO_FILE.read_text())
+    args = _sglang_fields()  # the resolved ServerArgs both levels start from
+    assert set(info) - args <= top and {"internal_states", "version"} <= top
+    state = info["internal_states"][0]
+    assert set(state) - args <= per_rank and {"avg_spec_accept_length", "memory_usage"} <= per_rank
+    assert set(state["memory_usage"]) <= memory
+    assert {"speculative_num_steps", "served_model_name"} <= args
 
 
 def _sglang_fields() -> set[str]:

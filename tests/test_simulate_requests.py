@@ -1,7 +1,7 @@
 """The request-level replay (spectune.simulate.simulate_requests) on hand-built traffic whose answer is worked
 out by hand from the embedded engine's loop: a step prefills the newly admitted requests or decodes all running
 ones, admission is first come first served within max_num_seqs and the prefill token budget, the client keeps at
-most max_concurrency in flight and times each request from its send."""
+most max_concurrency in flight and times each request from its arrival (and, beside it, from its send)."""
 
 from __future__ import annotations
 
@@ -91,13 +91,32 @@ def test_a_request_arriving_during_decoding_is_prefilled_at_the_next_step_and_st
     assert result.steps["kind"].tolist() == ["prefill", "decode", "prefill", "decode"]
 
 
-def test_the_client_cap_holds_requests_back_and_their_clock_starts_when_sent():
-    # One in flight: r1 arrives at 5 but is sent when r0 finishes (prefill 10 + one round 10 = 20).
+def test_the_client_cap_holds_requests_back_and_their_clock_starts_at_arrival():
+    # One in flight: r1 arrives at 5 but is sent when r0 finishes (prefill 10 + one round 10 = 20): it waited 15 ms
+    # in the client, which its TTFT and e2e count (from its arrival) and the from-send figures do not.
     result = simulate_requests(traffic([0, 5], [10, 10], [2, 2], max_concurrency=1), StaticPolicy(0), serving(),
                                every_round_accepts(2, 0, 1), max_num_seqs=4)
     assert result.requests["send_ms"].tolist() == pytest.approx([0, 20])
-    assert result.requests["ttft_ms"].tolist() == pytest.approx([10, 10])
-    assert result.requests["e2e_ms"].tolist() == pytest.approx([20, 20])
+    assert result.requests["queue_delay_ms"].tolist() == pytest.approx([0, 15])
+    assert result.requests["ttft_ms"].tolist() == pytest.approx([10, 25])
+    assert result.requests["e2e_ms"].tolist() == pytest.approx([20, 35])
+    assert result.requests["ttft_from_send_ms"].tolist() == pytest.approx([10, 10])
+    assert result.requests["e2e_from_send_ms"].tolist() == pytest.approx([20, 20])
+    assert result.requests["tpot_ms"].tolist() == pytest.approx([10, 10])  # the same from either clock
+
+
+def test_overloading_the_client_cap_grows_ttft_from_arrival_and_the_objective_sees_it():
+    # 6 requests due at 0 ms, 2 in flight: three waves of 30 ms each (a prefill of 2 x 10 padded tokens, 20 ms, and
+    # one round, 10 ms). From the arrival each wave waits 30 ms longer; from the send every request takes 20 ms.
+    overloaded = traffic([0] * 6, [10] * 6, [2] * 6, max_concurrency=2)
+    result = simulate_requests(overloaded, StaticPolicy(0), serving(), every_round_accepts(6, 0, 1), max_num_seqs=2)
+    assert result.requests["ttft_ms"].tolist() == pytest.approx([20, 20, 50, 50, 80, 80])
+    assert result.requests["ttft_from_send_ms"].tolist() == pytest.approx([20] * 6)
+    assert result.requests["queue_delay_ms"].tolist() == pytest.approx([0, 0, 30, 30, 60, 60])
+    assert result.ttft_ms == pytest.approx(50) and result.e2e_ms == pytest.approx(60)  # what the replay objectives score
+    roomy = simulate_requests(traffic([0] * 6, [10] * 6, [2] * 6, max_concurrency=6), StaticPolicy(0), serving(),
+                              every_round_accepts(6, 0, 1), max_num_seqs=2)
+    assert roomy.ttft_ms == pytest.approx(result.ttft_ms)  # the queue moved into the engine: the user waits as long
 
 
 def test_idle_engine_waits_for_the_next_arrival_and_the_overhead_delays_it():

@@ -197,5 +197,7 @@ def test_two_workers_share_one_postgresql_study(results, postgres_url, spectune_
     assert final.returncode == 0, final.stderr
     text = (results / "tuned" / "tuning.json").read_text()
     report = json.loads(text)
-    assert report["study"]["complete"] == 10 and "secret" not in text and report["study"]["storage"].startswith("postgresql://postgres:***@")
+    # the final run reports the study as it stands: every trial the workers finished, complete or failed
+    assert (report["study"]["complete"], report["study"]["failed"]) == (len(complete), len(others))
+    assert "secret" not in text and report["study"]["storage"].startswith("postgresql://postgres:***@")
     assert report["policies"]["tuned_adaptive"] == max(complete, key=lambda t: t.value).user_attrs["config"]

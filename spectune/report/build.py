@@ -13,11 +13,13 @@ import pandas as pd
 from spectune.store import atomic_write_bytes, load_run
 
 METRIC_DEFINITIONS = [
-    ("ttft_ms", "time to first token: request sent to the first chunk carrying at least one output token (ms)"),
+    ("ttft_ms", "time to first token: request due (its arrival under trace/Poisson traffic, its send in closed loop) to the "
+                "first chunk carrying at least one output token (ms); ttft_from_send_ms counts from the actual send"),
     ("icl_ms", "inter-chunk latency: gap between consecutive token-carrying chunks, one value per gap (vLLM bench's 'ITL') (ms)"),
     ("itl_ms", "inter-token latency: each chunk gap split evenly over the tokens of that chunk (SGLang bench's ITL) (ms)"),
     ("tpot_ms", "time per output token after the first, per request: (e2e - ttft) / (output_tokens - 1) (ms)"),
-    ("e2e_ms", "end-to-end latency per request: sent to last token-carrying chunk (ms)"),
+    ("e2e_ms", "end-to-end latency per request: due to last token-carrying chunk (ms); e2e_from_send_ms from the send"),
+    ("queue_delay_ms", "time a request waited in the client for a free slot under the concurrency cap (ms)"),
     ("tokens_per_chunk", "output tokens per streamed chunk; above 1 when speculation accepts drafts"),
     ("output_throughput_tps", "output tokens per second over the measured window, all requests together (tok/s)"),
     ("acceptance_rate", "accepted draft tokens / proposed draft tokens over the cell, from the server's counters"),
@@ -53,7 +55,8 @@ def collect(results: Path) -> ReportData:
     ok = cells[(cells["status"] == "ok") & (cells["failure_rate"].fillna(0) <= limit)]
     flagged = cells[~cells.index.isin(ok.index)][["server", "batch_size", "repeat", "status", "failure_rate", "error"]]
     shown = [c for c in SHOWN if c in ok.columns]
-    per_cell = ok.groupby(["server", "num_speculative_tokens", "batch_size"], dropna=False)[shown].mean().reset_index()
+    axis = ["batch_size", "request_rate"] if "request_rate" in ok and ok["request_rate"].notna().any() else ["batch_size"]
+    per_cell = ok.groupby(["server", "num_speculative_tokens", *axis], dropna=False)[shown].mean().reset_index()
     speedups = speedup_table(ok) if not ok.empty else pd.DataFrame()
     return ReportData(str(run.manifest.get("run_id", results.name)), run.manifest, per_cell, speedups, flagged,
                       _samples(run.requests), _plots(per_cell, speedups))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from spectune import interrupt
 from spectune.errors import SpectuneError
 from spectune.records import Scrape
 
@@ -31,6 +32,7 @@ class ServerSpec:
     name: str  # unique within a plan, e.g. "target", "draft-g4", "ngram-g3"
     engine: str = "embedded"  # embedded | vllm | sglang | llamacpp | openai
     model: str | None = None  # target model path/name (engine default when None)
+    tokenizer: str | None = None  # the served model's tokenizer (tokenizer.json or its dir); default: model's, if local
     method: str | None = None  # draft_model | ngram | eagle | eagle3 | mtp | suffix | dflash | ...
     num_speculative_tokens: int | None = None  # g, the draft steps per round
     draft_model: str | None = None
@@ -99,16 +101,17 @@ class ManagedProcess:
             raise TypeError("argv must be a non-empty list of strings")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
-        self.popen = subprocess.Popen(
-            self.argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **self.env},
-            start_new_session=True,  # own process group: stop() reaches the engine's children too
-            preexec_fn=_die_with_parent,
-        )
-        _LIVE.add(self)
+        with interrupt.critical():  # a Ctrl-C waits until the process is known to stop_all_servers
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                start_new_session=True,  # own process group: stop() reaches the engine's children too
+                preexec_fn=_die_with_parent,
+            )
+            _LIVE.add(self)
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
@@ -198,6 +201,7 @@ def wait_ready(url: str, proc: ManagedProcess | None, timeout_s: float, what: st
     """Poll `url` until it answers 200; fail fast if the process exits, naming its last log lines."""
     deadline = time.monotonic() + timeout_s
     while True:
+        interrupt.check()  # a Ctrl-C some library swallowed still stops the wait (engines take minutes to load)
         if proc is not None and not proc.alive():
             code = proc.popen.returncode if proc.popen else None
             raise SpectuneError(

@@ -1,20 +1,17 @@
-"""Reading servers: a small Prometheus text parser, the speculative counters of each engine, and the
-plain HTTP calls the adapters share (standard library only: adapters run in the sweep's main thread).
+"""Reading servers: Prometheus text (prometheus_client's parser), the speculative counters of each engine, and
+the plain HTTP calls the adapters share (urllib: adapters run in the sweep's main thread).
 """
 
 from __future__ import annotations
 
-import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from spectune.errors import SpectuneError
 from spectune.records import Scrape
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$")
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
-_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,21 +27,13 @@ class Sample:
 
 
 def parse_prometheus(text: str) -> list[Sample]:
-    """Every sample in a Prometheus text exposition (version 0.0.4); comments and blank lines skipped."""
-    samples = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if match is None:
-            raise ValueError(f"not a Prometheus sample line: {line[:120]!r}")
-        name, label_text, value = match.groups()
-        labels = tuple(
-            (k, re.sub(r"\\[\\\"n]", lambda m: _UNESCAPE[m.group()], v)) for k, v in _LABEL.findall(label_text or "")
-        )
-        samples.append(Sample(name, labels, float(value)))
-    return samples
+    """Every sample of a Prometheus text exposition, in order (counters keep their `_total` and `_created`
+    samples apart); ValueError naming the problem on text that is not one."""
+    try:
+        return [Sample(s.name, tuple(s.labels.items()), float(s.value))
+                for family in text_string_to_metric_families(text) for s in family.samples]
+    except (ValueError, IndexError, KeyError) as e:  # the parser's errors on malformed lines
+        raise ValueError(f"not Prometheus text exposition ({type(e).__name__}: {e})") from None
 
 
 def metric_sum(samples: list[Sample], name: str) -> float | None:
@@ -78,7 +67,13 @@ def spec_decode_scrape(text: str, prefix: str = "vllm:") -> Scrape:
         num_accepted_tokens=metric_sum(samples, f"{prefix}spec_decode_num_accepted_tokens_total"),
         accepted_per_pos=per_position(samples, f"{prefix}spec_decode_num_accepted_tokens_per_pos_total"),
         kv_cache_usage=metric_mean(samples, f"{prefix}kv_cache_usage_perc"),
+        num_running=metric_sum(samples, RUNNING_GAUGES[prefix]) if prefix in RUNNING_GAUGES else None,
     )
+
+
+# requests decoding now, per engine's metric prefix (summed over data-parallel engines)
+RUNNING_GAUGES = {"vllm:": "vllm:num_requests_running", "llamacpp:": "llamacpp:requests_processing",
+                  "sglang:": "sglang:num_running_reqs"}
 
 
 def sglang_scrape(server_info: dict, metrics_text: str | None) -> Scrape:
@@ -96,6 +91,7 @@ def sglang_scrape(server_info: dict, metrics_text: str | None) -> Scrape:
         avg_accept_length=float(accept_length) if accept_length is not None else None,
         num_steps=int(num_steps) if num_steps is not None else None,
         kv_cache_usage=metric_mean(samples, "sglang:token_usage"),
+        num_running=metric_sum(samples, RUNNING_GAUGES["sglang:"]),
     )
 
 

@@ -1,0 +1,62 @@
+"""`spectune sweep` with a real SIGINT raised by the sweep itself at a point no signal sent from outside can be
+timed to hit (the tests that use it, in test_sweep_sigint.py, say so in their names); everything else is the
+real CLI.
+
+    python tests/sigint_injected.py write|finalizer SWEEP_ARGS...
+
+write      in the middle of writing the first cell file: its data on disk, before the rename that commits it.
+finalizer  inside a finalizer the sweep's main thread runs (asyncio's _SelectorTransport.__del__, which sampling
+           the main thread shows it does), once a cell is finished: Python prints a KeyboardInterrupt raised there
+           as "Exception ignored" and drops it, which is how a Ctrl-C used to be lost (the sweep ran to the end).
+"""
+
+from __future__ import annotations
+
+import asyncio.selector_events
+import os
+import signal
+import sys
+from pathlib import Path
+
+_fired: list[str] = []
+
+
+def _once(where: str) -> None:
+    if not _fired:
+        _fired.append(where)
+        signal.raise_signal(signal.SIGINT)  # Python runs the handler right here
+
+
+def _inject_in_write() -> None:
+    real_replace = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if Path(dst).parent.name == "cells":
+            _once(str(dst))
+        return real_replace(src, dst, *args, **kwargs)
+
+    os.replace = replace
+
+
+def _inject_in_finalizer(out: Path) -> None:
+    transport = asyncio.selector_events._SelectorTransport
+    real_del = transport.__del__
+
+    def __del__(self, *args):
+        if any((out / "cells").glob("*.json")):
+            _once("_SelectorTransport.__del__")
+        real_del(self, *args)
+
+    transport.__del__ = __del__
+
+
+if __name__ == "__main__":
+    point, args = sys.argv[1], sys.argv[2:]
+    if point == "write":
+        _inject_in_write()
+    else:
+        _inject_in_finalizer(Path(args[args.index("--out") + 1]))
+    from spectune.cli import main
+
+    sys.argv = ["spectune", "sweep", *args]
+    main()

@@ -1,0 +1,142 @@
+"""Open-loop sweeps: trace replay past the concurrency cap, and Poisson request rates as the plan's axis, end to end
+through `spectune sweep` (real processes on 127.0.0.1), the report and the tuner."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+import pandas as pd
+import pytest
+from scripted_server import ScriptedServer, Step, serve_in_thread
+from sweep_helpers import sweep_cmd, write_plan
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def run_sweep(tmp_path, plan: str, *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(sweep_cmd(str(write_plan(tmp_path, plan)), "--out", str(tmp_path / "run"), *args),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_a_trace_over_the_cap_shows_the_queue_in_ttft_and_keeps_the_servers_own(tmp_path):
+    workload = tmp_path / "burst.jsonl"  # 8 requests due at once, at most 2 in flight: 4 waves of >= 60 ms
+    workload.write_text("".join(json.dumps({"prompt": f"p{i}", "max_tokens": 3, "arrival_s": 0.0}) + "\n" for i in range(8)))
+    plan = f"""
+name = "burst"
+workload = "{workload}"
+schedule = "trace"
+batch_sizes = [2]
+repeats = 1
+max_tokens = 3
+min_prompts = 8
+prompts_per_slot = 1
+warmup_per_slot = 0
+
+[[servers]]
+name = "scripted"
+engine = "openai"
+url = "{{url}}"
+"""
+    with serve_in_thread(ScriptedServer(steps=(Step(0.02, 1), Step(0.02, 1), Step(0.02, 1)))) as url:
+        run_sweep(tmp_path, plan.replace("{url}", url))
+    cell = pd.read_parquet(tmp_path / "run" / "cells.parquet").iloc[0]
+    requests = pd.read_parquet(tmp_path / "run" / "requests.parquet").sort_values("index")
+    # both clocks, per request and per cell
+    wave = requests["index"].to_numpy() // 2
+    ttft = requests.groupby(wave)["ttft_ms"].mean()
+    assert ttft.is_monotonic_increasing and ttft.iloc[-1] - ttft.iloc[0] >= 180  # each wave waits >= 60 ms more
+    assert (requests.groupby(wave)["queue_delay_ms"].min().to_numpy() >= 60 * np.arange(4)).all()
+    assert np.allclose(requests["ttft_ms"], requests["ttft_from_send_ms"] + requests["queue_delay_ms"])
+    assert cell["ttft_ms_mean"] >= cell["ttft_from_send_ms_mean"] + 60 and cell["queue_delay_ms_mean"] >= 60
+    assert cell["e2e_ms_mean"] > cell["e2e_from_send_ms_mean"] and cell["schedule"] == "trace"
+    assert 1 < cell["batch_size_ran"] <= 2  # the server ran up to the cap
+
+
+POISSON_PLAN = """
+name = "rates"
+workload = "quote"
+schedule = "poisson"
+request_rates = [20.0, 40.0]
+burstiness = 0.5
+batch_sizes = [4]
+repeats = 2
+max_tokens = 4
+min_prompts = 6
+prompts_per_slot = 1
+warmup_per_slot = 0
+slo_ttft_ms = 60000
+
+[[servers]]
+name = "scripted"
+engine = "openai"
+url = "{url}"
+"""
+
+
+def test_request_rates_are_the_axis_with_identical_arrivals_and_resume(tmp_path):
+    with serve_in_thread(ScriptedServer(steps=(Step(0.005, 1), Step(0.005, 2)))) as url:
+        run_sweep(tmp_path, POISSON_PLAN.format(url=url))
+        resumed = subprocess.run(sweep_cmd("--resume", str(tmp_path / "run")), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and "0 cells measured, 0 failed, 4 already done" in resumed.stdout, resumed.stdout
+    root = tmp_path / "run"
+    manifest = json.loads((root / "run.json").read_text())
+    assert set(manifest["traffic_digests"]) == {"4@20", "4@40"}
+    cells = pd.read_parquet(root / "cells.parquet")
+    assert sorted(cells["cell"]) == ["scripted__bs4__rate20__r0", "scripted__bs4__rate20__r1",
+                                     "scripted__bs4__rate40__r0", "scripted__bs4__rate40__r1"]
+    assert (cells["status"] == "ok").all() and (cells["batch_size"] == 4).all()
+    for rate, group in cells.groupby("request_rate"):
+        assert set(group["traffic_digest"]) == {manifest["traffic_digests"][f"4@{rate:g}"]}
+    assert (cells["goodput_rps"] == cells["request_throughput_rps"]).all()  # every request within a 60 s TTFT
+    # identical traffic: every repeat at a rate sends at the same offsets (the plan's seed), the rates differ
+    requests = pd.read_parquet(root / "requests.parquet")
+    offsets = {c: (g.sort_values("index")["intended_ns"] - g["intended_ns"].min()).to_numpy() / 1e9
+               for c, g in requests.groupby("cell")}
+    assert np.array_equal(offsets["scripted__bs4__rate20__r0"], offsets["scripted__bs4__rate20__r1"])
+    assert np.allclose(offsets["scripted__bs4__rate20__r0"], 2 * offsets["scripted__bs4__rate40__r0"])
+    assert offsets["scripted__bs4__rate20__r0"][-1] > 0.05
+
+
+ENGINE_PLAN = """
+name = "engine-rates"
+workload = "quote"
+schedule = "poisson"
+request_rates = [2.0, 6.0]
+batch_sizes = [4]
+repeats = 1
+max_tokens = 16
+min_prompts = 6
+prompts_per_slot = 1
+warmup_per_slot = 1
+
+[[servers]]
+name = "target"
+
+[[servers]]
+name = "ngram"
+method = "ngram"
+num_speculative_tokens = 2
+prompt_lookup_min = 1
+prompt_lookup_max = 3
+"""
+
+
+def test_a_rate_sweep_of_the_embedded_engine_reports_and_tunes(tmp_path, spectune_cmd):
+    run_sweep(tmp_path, ENGINE_PLAN)
+    root = tmp_path / "run"
+    cells = pd.read_parquet(root / "cells.parquet")
+    assert len(cells) == 4 and (cells["status"] == "ok").all()
+    # the batch size each server actually ran, from its own round log: what adaptive slots would see
+    assert (cells["batch_size_ran_source"] == "round_log").all() and cells["batch_size_ran"].between(1, 4).all()
+    summary = pd.read_parquet(root / "summary.parquet")
+    assert sorted(summary["request_rate"]) == [2.0, 6.0]  # paired rate by rate
+    report = subprocess.run([*spectune_cmd, "report", str(root), "--out", str(tmp_path / "report")], capture_output=True, text=True)
+    assert report.returncode == 0, report.stderr
+    assert "request_rate" in (tmp_path / "report" / "report.md").read_text()
+    tune = subprocess.run([*spectune_cmd, "tune", str(root), "--trials", "2"], capture_output=True, text=True, timeout=300)
+    assert tune.returncode == 0, tune.stdout + tune.stderr
+    assert (root / "tuned" / "adaptive_spec.json").exists()
