@@ -12,11 +12,13 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from spectune.errors import SpectuneError
 from spectune.plan import Plan, plan_to_dict
+from spectune.progress import PlainProgress, SweepProgress
 from spectune.servers.base import ServerSpec, stop_all_servers
 from spectune.store import RunStore, cell_id
 
@@ -95,8 +97,10 @@ def check_resumable(store: RunStore, plan: Plan) -> None:
         )
 
 
-def run_sweep(plan: Plan, out: Path, *, resume: bool = False, log=print) -> SweepOutcome:
-    """Measure every cell of the plan into `out`; on resume only the unfinished ones."""
+def run_sweep(plan: Plan, out: Path, *, resume: bool = False, progress: SweepProgress | None = None) -> SweepOutcome:
+    """Measure every cell of the plan into `out`; on resume only the unfinished ones. Events go to `progress`
+    (default: a line per server start and per cell on stdout)."""
+    progress = progress or PlainProgress()
     if resume:
         store = RunStore.open(out)
         check_resumable(store, plan)
@@ -110,14 +114,16 @@ def run_sweep(plan: Plan, out: Path, *, resume: bool = False, log=print) -> Swee
     done_ids = {cid for cid, row in finished.items() if row.get("status") in ("ok", "failed")}
     todo = [c for c in plan_cells(plan) if c.id not in done_ids]
     outcome = SweepOutcome(root=out, done=0, failed=0, skipped=len(plan_cells(plan)) - len(todo), interrupted=False)
+    progress.start(len(todo), outcome.skipped)
     try:
         for spec in plan.servers:
             cells = [c for c in todo if c.server.name == spec.name]
             if cells:
-                _run_server(plan, store, spec, cells, outcome, log)
+                _run_server(plan, store, spec, cells, outcome, progress)
     except KeyboardInterrupt:
         outcome.interrupted = True
     finally:
+        progress.close()
         stop_all_servers()
         _update_progress(store, plan, outcome)
         store.finalize()
@@ -144,7 +150,8 @@ def _preflight(plan: Plan) -> None:
         check_tokenizers(spec)
 
 
-def _run_server(plan: Plan, store: RunStore, spec: ServerSpec, cells: list[Cell], outcome: SweepOutcome, log) -> None:
+def _run_server(plan: Plan, store: RunStore, spec: ServerSpec, cells: list[Cell], outcome: SweepOutcome,
+                progress: SweepProgress) -> None:
     from spectune.servers import make_server
 
     server = make_server(spec, store.log_dir(), round_log=store.round_log_path(spec.name), max_batch_size=max(plan.batch_sizes))
@@ -152,8 +159,9 @@ def _run_server(plan: Plan, store: RunStore, spec: ServerSpec, cells: list[Cell]
     try:
         for i, cell in enumerate(cells):
             if not started or not server.alive():
-                log(f"[{spec.name}] {'server is down; restarting' if started else 'starting'} {spec.engine} server")
+                progress.server_starting(spec.name, spec.engine, restart=started)
                 server.stop()
+                began = time.monotonic()
                 try:
                     server.start()
                 except SpectuneError as e:  # never ready: fail this server's remaining cells, go on with the next server
@@ -161,12 +169,13 @@ def _run_server(plan: Plan, store: RunStore, spec: ServerSpec, cells: list[Cell]
                         store.write_cell({**_cell_header(plan, rest, traffic_for(plan, rest.batch_size)[2]),
                                           "status": "failed", "error": f"server did not start: {e}", "finished_at": _now()}, None)
                         outcome.failed += 1
-                    log(f"[{spec.name}] server did not start: {e}")
+                    progress.server_failed(spec.name, str(e))
                     return
+                progress.server_ready(spec.name, time.monotonic() - began)
                 started = True
                 store.manifest["engines"][spec.name] = {"engine": spec.engine, "version": server.engine_version(), "pid": server.pid()}
                 store.save_manifest()
-            row = _measure_cell(plan, store, server, cell, log)
+            row = _measure_cell(plan, store, server, cell, progress)
             if row["status"] == "failed":
                 outcome.failed += 1
             else:
@@ -176,7 +185,7 @@ def _run_server(plan: Plan, store: RunStore, spec: ServerSpec, cells: list[Cell]
         server.stop()
 
 
-def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log) -> dict:
+def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, progress: SweepProgress) -> dict:
     from spectune.analysis import acceptance, request_frame, summarize_cell
     from spectune.loadgen import run_requests
     from spectune.servers.memory import MemorySampler
@@ -189,6 +198,7 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log) -> dict:
                   request_timeout_s=plan.request_timeout_s, stall_timeout_s=plan.stall_timeout_s,
                   extra_body=server.extra_body or None)
     warmup = plan.warmup_per_slot * cell.batch_size
+    progress.cell_started(cell.server.name, cell.batch_size, cell.repeat, warmup + len(requests))
     sampler = MemorySampler(server.pid())
     interrupted = False
     try:
@@ -202,7 +212,8 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log) -> dict:
         if not warmup:
             reset_and_scrape()
         asyncio.run(run_requests(server.base_url, server.model_name, requests, schedule, records=records,
-                                 warmup_requests=warmup, after_warmup=reset_and_scrape if warmup else None, **common))
+                                 warmup_requests=warmup, after_warmup=reset_and_scrape if warmup else None,
+                                 on_requests=progress.requests, **common))
         before = scrapes[0]
         after = server.scrape()
         acc = acceptance(before, after)
@@ -233,7 +244,7 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log) -> dict:
                    for r in requests}
         frame["prompt"] = frame["index"].map(prompts)
     store.write_cell(row, frame)
-    log(_cell_line(row))
+    progress.cell_finished(row)
     if interrupted:
         raise KeyboardInterrupt
     return row
@@ -257,24 +268,6 @@ def _cell_header(plan: Plan, cell: Cell, digest: str) -> dict:
         "error": None,
         "started_at": _now(),
     }
-
-
-def _cell_line(row: dict) -> str:
-    tput = row.get("output_throughput_tps")
-    tpot = row.get("tpot_ms_mean")
-    acc = row.get("acceptance_rate")
-    parts = [f"[{row['server']}] bs={row['batch_size']} r={row['repeat']} {row['status']}"]
-    if tput is not None:
-        parts.append(f"{tput:.1f} tok/s")
-    if tpot is not None and tpot == tpot:
-        parts.append(f"TPOT {tpot:.2f} ms")
-    if acc is not None and acc == acc:
-        parts.append(f"acceptance {acc:.2f}")
-    if row.get("num_failed"):
-        parts.append(f"{row['num_failed']} failed requests")
-    if row.get("error"):
-        parts.append(f"({row['error'].splitlines()[0][:120]})")
-    return "  ".join(parts)
 
 
 def _api_key(spec: ServerSpec) -> str | None:
