@@ -15,8 +15,9 @@ from typing import TextIO
 class SweepProgress:
     """The events of a sweep; every method does nothing here. Subclasses show them."""
 
-    def start(self, total_cells: int, already_done: int) -> None:
-        """`total_cells` still to measure in this run; `already_done` finished before (a resume)."""
+    def start(self, total_cells: int, already_done: int, servers: list[str]) -> None:
+        """`total_cells` still to measure in this run; `already_done` finished before (a resume); `servers` to
+        launch, in order."""
 
     def server_starting(self, server: str, engine: str, restart: bool) -> None: ...
 
@@ -93,6 +94,7 @@ class RichProgress(SweepProgress):
         self.bar = None
         self.task = None
         self.cells_done = 0
+        self.servers: list[str] = []
         self.server = ""
         self.server_note = ""
         self.cell = ""
@@ -101,13 +103,14 @@ class RichProgress(SweepProgress):
         self.finished = 0
         self.last = "none yet"
 
-    def start(self, total_cells: int, already_done: int) -> None:
+    def start(self, total_cells: int, already_done: int, servers: list[str]) -> None:
         from rich.live import Live
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         self.bar = Progress(TextColumn("cells"), BarColumn(), MofNCompleteColumn(), TextColumn("elapsed"), TimeElapsedColumn(),
                             TextColumn("ETA"), TimeRemainingColumn(), console=self.console, speed_estimate_period=3600)
         self.task = self.bar.add_task("cells", total=total_cells)
+        self.servers = servers
         if already_done:
             self.console.print(f"{already_done} cells already done (resumed run)")
         self.live = Live(self, console=self.console, refresh_per_second=4, transient=True)
@@ -116,14 +119,16 @@ class RichProgress(SweepProgress):
     def __rich__(self):
         from rich.console import Group
         from rich.table import Table
+        from rich.text import Text
 
+        where = f"{self.servers.index(self.server) + 1}/{len(self.servers)}: " if self.server in self.servers else ""
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="bold")
         grid.add_column()
-        grid.add_row("server", f"{self.server} {self.server_note}".strip() or "-")
-        grid.add_row("cell", self.cell or "-")
-        grid.add_row("requests", f"{self.in_flight} in flight, {self.finished}/{self.cell_requests} done" if self.cell else "-")
-        grid.add_row("last cell", self.last)
+        grid.add_row("server", Text(f"{where}{self.server} {self.server_note}".strip() or "-"))
+        grid.add_row("cell", Text(self.cell or "-"))
+        grid.add_row("requests", Text(f"{self.in_flight} in flight, {self.finished}/{self.cell_requests} done" if self.cell else "-"))
+        grid.add_row("last cell", Text(self.last))
         return Group(self.bar, grid)
 
     def server_starting(self, server: str, engine: str, restart: bool) -> None:
@@ -133,7 +138,7 @@ class RichProgress(SweepProgress):
         self.server_note = f"(ready in {seconds:.1f} s)"
 
     def server_failed(self, server: str, error: str) -> None:
-        self.console.print(f"[red][{server}] server did not start:[/red] {error}", markup=True, highlight=False)
+        self.console.print(f"[{server}] server did not start: {error}", style="red", markup=False, highlight=False)
 
     def cell_started(self, server: str, batch_size: int, repeat: int, num_requests: int) -> None:
         self.cell, self.cell_requests, self.in_flight, self.finished = f"batch size {batch_size}, repeat {repeat}", num_requests, 0, 0

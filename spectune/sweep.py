@@ -114,7 +114,7 @@ def run_sweep(plan: Plan, out: Path, *, resume: bool = False, progress: SweepPro
     done_ids = {cid for cid, row in finished.items() if row.get("status") in ("ok", "failed")}
     todo = [c for c in plan_cells(plan) if c.id not in done_ids]
     outcome = SweepOutcome(root=out, done=0, failed=0, skipped=len(plan_cells(plan)) - len(todo), interrupted=False)
-    progress.start(len(todo), outcome.skipped)
+    progress.start(len(todo), outcome.skipped, [s.name for s in plan.servers if any(c.server.name == s.name for c in todo)])
     try:
         for spec in plan.servers:
             cells = [c for c in todo if c.server.name == spec.name]
