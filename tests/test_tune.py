@@ -138,6 +138,13 @@ def test_cli_worker_runs_trials_only_then_trials_0_writes_configs(results, spect
     assert final.returncode == 0, final.stderr
     report = json.loads((results / "cfg" / "tuning.json").read_text())
     assert report["study"]["complete"] == 4
+    # the console names the method tuned, its steps per batch size and what each engine's config runs
+    steps = report["policies"]["best_per_batch_schedule"]["best_steps_by_batch_size"]
+    assert "tuned method: draft_model on the embedded engine (the fastest measured over target-only)" in final.stdout
+    assert "steps per batch size (best per-batch-size schedule, simulated): " + ", ".join(
+        f"batch {b}: {steps[str(b)]}" for b in SYNTHETIC_COST.batch_sizes) in final.stdout
+    for d in report["deploy"]:
+        assert f"({d['method'] or 'no equivalent'}): {d['file']}" in final.stdout
     assert {c["name"] for c in report["comparisons"]} == COMPARISONS
     bad = subprocess.run([*spectune_cmd, "tune", str(results), "--objective", "fast"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --objective 'fast': must be one of throughput, latency, ttft, tpot, e2e"
