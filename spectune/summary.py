@@ -72,12 +72,13 @@ def _finite(x) -> bool:
     return x is not None and not (isinstance(x, float) and math.isnan(x)) and not pd.isna(x)
 
 
-TITLE = ("Recommendation per batch size (measured): the fastest static server, or target-only where none was faster; "
-         "speedup = output tokens/s vs target-only, geometric mean over repeats with its 95% CI; clear? = the CI excludes 1")
+TITLE = "Recommendation per batch size (measured: the fastest static server, or target-only where none was faster)"
+CAPTION = ("speedup: output tokens/s vs target-only at that batch size, geometric mean over repeats, with its 95% CI; "
+           "clear?: the CI excludes 1; acceptance: accepted / proposed drafts; accept. length: tokens per verify round")
 
 
 def plain_text(summary: Summary) -> str:
-    lines = [TITLE]
+    lines = [TITLE, CAPTION]
     if summary.rows:
         widths = [max(len(c), *(len(r[i]) for r in summary.rows)) for i, c in enumerate(COLUMNS)]
         lines.append("  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)).rstrip())
@@ -96,7 +97,7 @@ def plain_text(summary: Summary) -> str:
 def print_rich(summary: Summary, console) -> None:
     from rich.table import Table
 
-    table = Table(title=TITLE, title_justify="left")
+    table = Table(title=TITLE, caption=CAPTION, title_justify="left", caption_justify="left")
     for i, c in enumerate(COLUMNS):
         table.add_column(c, justify="right" if i in (0, 2, 3, 6, 7) else "left")
     for r in summary.rows:
