@@ -75,6 +75,7 @@ def test_wheel_installed_in_a_fresh_venv_sweeps_from_an_empty_directory(tmp_path
 
     venv = _fresh_venv(tmp_path, wheel)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["SPECTUNE_CACHE"] = str(tmp_path / "cache")  # no GGUF of this venv's copy of the target left in the real cache
     work = tmp_path / "work"
     work.mkdir()
     where = _run([venv / "bin" / "python", "-c", "import spectune, spectune.resources as r; print(spectune.__file__); print(r.default_plan())"],
