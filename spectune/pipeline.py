@@ -62,8 +62,12 @@ def run_pipeline(plan: Plan, root: Path, *, resume: bool = False, options: Pipel
     say(f"{s.done} cells measured, {s.failed} failed, {s.skipped} already done. Results: {Path(root).resolve()}")
     if options.tune:
         _tune_stage(root, options, outcome, say)
+    else:
+        say(f"tune: not run (--no-tune); later: spectune tune {root}")
     if options.report:
         _report_stage(root, options, outcome, say)
+    else:
+        say(f"report: not run (--no-report); later: spectune report {root}")
     return outcome
 
 

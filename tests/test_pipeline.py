@@ -119,6 +119,7 @@ def test_no_tune_and_no_report_stop_earlier(pipeline_run, tmp_path):
     proc = run(sweep_cmd("--resume", str(measured_only), "--no-tune", "--no-report", stages=True))
     assert proc.returncode == 0, proc.stderr
     assert not (measured_only / "tuned").exists() and not (measured_only / "report").exists()
+    assert f"later: spectune tune {measured_only}" in proc.stdout and f"later: spectune report {measured_only}" in proc.stdout
     assert "batch size" in proc.stdout  # the measured recommendation is printed all the same
 
 
