@@ -10,9 +10,7 @@ from typing import Optional
 import typer
 
 from spectune.errors import SpectuneError
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PLAN = REPO_ROOT / "configs" / "embedded.toml"
+from spectune.pipeline import DEFAULT_TRIALS
 
 app = typer.Typer(help="Measure speculative decoding and tune its step counts.", no_args_is_help=True, add_completion=False)
 
@@ -126,35 +124,64 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
 
 @app.command()
 def sweep(
-    plan: Optional[Path] = typer.Argument(None, help="Sweep plan (TOML). Default: configs/embedded.toml (the embedded engine)."),
-    out: Optional[Path] = typer.Option(None, help="Results directory. Default: results/<plan name>-<timestamp>."),
+    plan: Optional[str] = typer.Argument(None, help="Sweep plan: a TOML file, or a shipped plan by name (embedded, vllm-cpu, ...). "
+                                         "Default: embedded (the embedded engine)."),
+    out: Optional[Path] = typer.Option(None, help="Results directory. Default: results/<plan name>-<timestamp> under the current directory."),
     resume: Optional[Path] = typer.Option(None, help="Continue the run in this results directory (same plan)."),
     workload: Optional[str] = typer.Option(None, help="Override the plan's workload: code, quote, random, phase, or a file."),
     batch_sizes: Optional[str] = typer.Option(None, help="Override batch sizes (closed-loop concurrency), e.g. 1,4,16."),
     repeats: Optional[int] = typer.Option(None, help="Override repeats per cell."),
     max_tokens: Optional[int] = typer.Option(None, help="Override output tokens per request."),
+    no_tune: bool = typer.Option(False, "--no-tune", help="Stop after measuring (no configs; spectune tune RESULTS does it later)."),
+    no_report: bool = typer.Option(False, "--no-report", help="Do not write the report (spectune report RESULTS does it later)."),
+    trials: int = typer.Option(DEFAULT_TRIALS, min=0, help="Optuna trials of the tune stage."),
+    report_dir: Optional[Path] = typer.Option(None, help="Report directory. Default: reports/<run> beside results/<run>, else <RESULTS>/report."),
 ) -> None:
-    """Measure target-only vs speculative servers on identical traffic, per batch size and step count."""
+    """Measure target-only vs speculative servers on identical traffic, then tune, write the configs and the report."""
     import datetime as dt
 
+    from spectune.pipeline import PipelineOptions, run_pipeline
     from spectune.plan import load_plan
-    from spectune.sweep import run_sweep
+    from spectune.resources import resolve_plan
 
     overrides = dict(workload=workload, batch_sizes=_ints(batch_sizes, "--batch-sizes"), repeats=repeats, max_tokens=max_tokens)
     if resume is not None and plan is None:
         p = _recorded_plan(resume, overrides)
     else:
-        p = load_plan(plan or DEFAULT_PLAN, **overrides)
-    root = resume or out or REPO_ROOT / "results" / f"{p.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
-    outcome = run_sweep(p, root, resume=resume is not None, log=typer.echo)
-    if outcome.interrupted:
+        p = load_plan(resolve_plan(plan), **overrides)
+    root = resume or out or Path("results") / f"{p.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    progress = _progress()
+    options = PipelineOptions(tune=not no_tune, report=not no_report, trials=trials, report_dir=report_dir)
+    outcome = run_pipeline(p, root, resume=resume is not None, options=options, progress=progress)
+    if outcome.sweep.interrupted:
         typer.echo(f"Interrupted. Finished cells are saved in {root}. Resume with: spectune sweep --resume {root}", err=True)
         raise typer.Exit(130)
-    typer.echo(f"{outcome.done} cells measured, {outcome.failed} failed, {outcome.skipped} already done. Results: {root}")
-    typer.echo(f"Next: spectune report {root}   |   spectune tune {root}")
-    if outcome.failed:
-        typer.echo(f"{outcome.failed} cell(s) failed: their causes are in {root}/cells/*.json and the report", err=True)
+    s = outcome.sweep
+    _print_summary(root, outcome.report_files, progress)
+    for error in outcome.errors:
+        typer.echo(f"error: {error}", err=True)
+    if s.failed:
+        typer.echo(f"{s.failed} cell(s) failed: their causes are in {root}/cells/*.json and the report", err=True)
+    if s.failed or outcome.errors:
         raise typer.Exit(1)
+
+
+def _progress():
+    """A live rich panel on a terminal; a line per server and cell otherwise (CI logs)."""
+    from spectune.progress import PlainProgress, RichProgress
+
+    return RichProgress() if sys.stdout.isatty() else PlainProgress(typer.echo)
+
+
+def _print_summary(root: Path, report_files: list[Path], progress) -> None:
+    from spectune.progress import RichProgress
+    from spectune.summary import build_summary, plain_text, print_rich
+
+    summary = build_summary(root, report_files)
+    if isinstance(progress, RichProgress):
+        print_rich(summary, progress.console)
+    else:
+        typer.echo(plain_text(summary))
 
 
 def _recorded_plan(root: Path, overrides: dict):
@@ -187,6 +214,7 @@ def bench(
 ) -> None:
     """Measure one cell against an already-running server (attached, not launched) and write the same files as a sweep."""
     from spectune.plan import plan_from_dict
+    from spectune.progress import PlainProgress
     from spectune.sweep import run_sweep
 
     server = {"name": "server", "engine": "openai", "url": url, "model": model, "api_key_env": api_key_env, "tokenizer": tokenizer}
@@ -197,7 +225,7 @@ def bench(
     if request_rate is not None:
         raw |= {"schedule": "poisson", "request_rates": [request_rate]}
     p = plan_from_dict({k: v for k, v in raw.items() if v is not None}, source="spectune bench")
-    outcome = run_sweep(p, out, log=typer.echo)
+    outcome = run_sweep(p, out, progress=PlainProgress(typer.echo))
     if outcome.interrupted:
         typer.echo(f"Interrupted. Resume with: spectune sweep --resume {out}", err=True)
         raise typer.Exit(130)
@@ -210,12 +238,12 @@ def bench(
 @app.command()
 def report(
     results: Path = typer.Argument(..., help="A results directory written by spectune sweep or bench."),
-    out: Optional[Path] = typer.Option(None, help="Report directory. Default: reports/<run>/"),
+    out: Optional[Path] = typer.Option(None, help="Report directory. Default: reports/<run>/ under the current directory."),
 ) -> None:
     """Write an HTML and a Markdown report with plots."""
     from spectune.report import write_report
 
-    paths = write_report(results, out or REPO_ROOT / "reports" / results.name)
+    paths = write_report(results, out or Path("reports") / results.name)
     for p in paths:
         typer.echo(str(p))
 

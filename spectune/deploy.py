@@ -15,16 +15,8 @@ import pandas as pd
 from spectune.adaptive import AdaptiveConfig
 from spectune.comparisons import compare
 from spectune.costmodel import CostFit, breakeven_batch_size, prediction_vs_measurement, recommend
-from spectune.emit import (
-    MODEL_FREE_METHODS,
-    NEEDS_MODEL,
-    VLLM_METHODS,
-    VllmSpecConfig,
-    llamacpp_flags,
-    schedule_from_optima,
-    sglang_launch_steps,
-    write_sglang_config,
-)
+from spectune.deploy_engines import ENGINE_NAMES, Deployment, TunedMethod, write_deployments
+from spectune.emit import describe_sglang_config, sglang_launch_steps
 from spectune.errors import SpectuneError
 from spectune.scoring import REPLAY_SEEDS, REQUEST_METRICS, Bench, Replay
 from spectune.store import atomic_write_bytes
@@ -43,9 +35,12 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
     best = max(complete, key=lambda t: t.value)
     tuned = AdaptiveConfig.from_dict(best.user_attrs["config"], source=f"trial {best.number}")
     summary, policies = compare(bench, tuned)
-    files, notes = write_configs(tuned, policies, bench.fit.method, manifest, options, outdir)
-    for note in notes:
-        log(note)
+    deployments = write_configs(tuned, policies, bench, cells, manifest, options, outdir)
+    files = [d.file for d in deployments if d.file] + [outdir.resolve() / "deploy.md"]
+    notes = [f"{d.engine}: {d.note}" for d in deployments]
+    log_tuned(bench, tuned, policies, options.method, log)
+    for d in deployments:
+        log(f"{ENGINE_NAMES[d.engine]} ({d.method or 'no equivalent'}): {d.file or 'no file'}\n  {d.note}")
     report = {
         "results_dir": str(options.results_dir),
         "objective": options.objective,
@@ -63,9 +58,20 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
         **fit_report(bench.fit, cells, options.objective),
         "files": [p.name for p in files],
         "notes": notes,
+        "deploy": [d.to_dict() for d in deployments],
     }
     files.append(_write_text(outdir / "tuning.json", json.dumps(_jsonable(report), indent=2, allow_nan=False) + "\n"))
     return summary, files
+
+
+def log_tuned(bench: Bench, tuned: AdaptiveConfig, policies: dict, chosen: str | None, log: Callable[[str], None]) -> None:
+    """The method tuned and its steps per batch size, as the console shows them."""
+    why = "chosen with --method" if chosen else "the fastest measured over target-only"
+    log(f"tuned method: {bench.fit.method} on the {bench.fit.engine} engine ({why})")
+    steps = policies["best_per_batch_schedule"]["best_steps_by_batch_size"]
+    log("steps per batch size (best per-batch-size schedule, simulated): "
+        + ", ".join(f"batch {b}: {g}" for b, g in sorted((int(b), int(g)) for b, g in steps.items())))
+    log(f"tuned adaptive config: {describe_sglang_config(tuned)}")
 
 
 def _score_text(objective: str) -> str:
@@ -112,58 +118,19 @@ def fit_report(fit: CostFit, cells: pd.DataFrame, objective: str) -> dict[str, o
     }
 
 
-def write_configs(tuned: AdaptiveConfig, policies: dict, method: str | None, manifest: dict, options: TuneOptions,
-                  outdir: Path) -> tuple[list[Path], list[str]]:
-    """adaptive_spec.json, and where the method and draft model allow, the vLLM config (per-batch-size
-    schedule) and llama.cpp flags (best static g >= 1). Returns the files and notes on what was skipped."""
-    outdir.mkdir(parents=True, exist_ok=True)
-    files = [write_sglang_config(tuned, outdir / "adaptive_spec.json", options.sglang_version)]
-    notes = []
-    spec = _server_spec(manifest, method)
-    draft_model = options.draft_model or spec.get("draft_model")
-    if not draft_model and method == "draft_model" and spec.get("engine", "embedded") == "embedded":
-        from spectune.engine.shipped import draft_path  # the embedded engine's default draft
-
-        draft_model = str(draft_path())
-    missing_model = "not written: pass --draft-model PATH (the sweep plan names no draft model)"
-    optima = policies["best_per_batch_schedule"]["best_steps_by_batch_size"]
-    if method not in VLLM_METHODS:
-        notes.append(f"vllm_speculative_config.json not written: vLLM has no method {method!r}")
-    elif method in NEEDS_MODEL and not draft_model:
-        notes.append(f"vllm_speculative_config.json {missing_model}")
-    else:
-        schedule = schedule_from_optima(optima)
-        vllm = VllmSpecConfig(
-            method=method,
-            num_speculative_tokens=max(1, max(k for _, _, k in schedule)),
-            model=None if method in MODEL_FREE_METHODS else draft_model,
-            prompt_lookup_min=spec.get("prompt_lookup_min"),
-            prompt_lookup_max=spec.get("prompt_lookup_max"),
-            num_speculative_tokens_per_batch_size=schedule,
-        )
-        files.append(_write_text(outdir / "vllm_speculative_config.json", vllm.to_json() + "\n"))
+def write_configs(tuned: AdaptiveConfig, policies: dict, bench: Bench, cells: pd.DataFrame, manifest: dict, options: TuneOptions,
+                  outdir: Path) -> list[Deployment]:
+    """All three engines' configs, each for the fastest measured method that engine can run (deploy_engines)."""
     speculative = {int(g): s for g, s in policies["static_speedups"].items() if int(g) > 0}
-    best_g = max(speculative, key=speculative.get)  # llama.cpp drafts on every round: g >= 1
-    if method == "ngram":
-        files.append(_write_text(outdir / "llamacpp_flags.txt", " ".join(llamacpp_flags(best_g, ngram=True)) + "\n"))
-    elif draft_model:
-        files.append(_write_text(outdir / "llamacpp_flags.txt", " ".join(llamacpp_flags(best_g, draft_model_path=draft_model)) + "\n"))
-    else:
-        notes.append(f"llamacpp_flags.txt {missing_model}")
-    return files, notes
-
-
-def _server_spec(manifest: dict, method: str | None) -> dict:
-    """The plan's server entry for this method (draft model path, n-gram lookup sizes), if recorded."""
-    for server in manifest.get("plan", {}).get("servers", []):
-        if server.get("method") == method:
-            return server
-    return {}
+    method = TunedMethod(engine=bench.fit.engine, method=bench.fit.method, config=tuned,
+                         steps_by_batch_size=policies["best_per_batch_schedule"]["best_steps_by_batch_size"],
+                         best_static=max(speculative, key=speculative.get))
+    return write_deployments(method, cells, manifest, outdir, sglang_version=options.sglang_version, draft_model=options.draft_model)
 
 
 def _write_text(path: Path, text: str) -> Path:
     atomic_write_bytes(path, text.encode())
-    return path
+    return path.resolve()
 
 
 def _jsonable(obj: object) -> object:

@@ -15,6 +15,9 @@ Warm-up: `warmup_requests` requests (taken cyclically from the same list) go fir
 schedule, and are returned flagged `warmup=True` (analysis leaves them out). `after_warmup` runs once
 they have all finished, e.g. to reset the server's prefix cache, which they have just filled.
 
+Progress: `on_requests(in_flight, finished)` is called when a request is sent and when it ends (warm-up
+included), never per chunk.
+
 Cancellation (Ctrl-C): in-flight requests are cancelled and their connections closed; the records
 finished so far stay in the `records` list the caller passed in (in-flight ones are not recorded).
 """
@@ -75,6 +78,7 @@ async def run_requests(
     after_warmup: Callable[[], None] | None = None,
     records: list[RequestRecord] | None = None,
     tokenizer: Tokenizer | None = None,
+    on_requests: Callable[[int, int], None] | None = None,
 ) -> list[RequestRecord]:
     """Send `requests` on `schedule`; return one record per request (warm-up ones first, flagged).
 
@@ -97,13 +101,14 @@ async def run_requests(
         tokenizer=tokenizer,
     )
     timeout = aiohttp.ClientTimeout(total=None)  # our own timer (see _Sender._stream) covers every wait
+    counts = _Counts(on_requests)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
         if warmup_requests > 0 and requests:
             warmup = [replace(requests[i % len(requests)], index=i) for i in range(warmup_requests)]
-            await _run_phase(session, sender, warmup, schedule, out, is_warmup=True)
+            await _run_phase(session, sender, warmup, schedule, out, counts, is_warmup=True)
             if after_warmup is not None:
                 await asyncio.to_thread(after_warmup)
-        await _run_phase(session, sender, requests, schedule, out, is_warmup=False)
+        await _run_phase(session, sender, requests, schedule, out, counts, is_warmup=False)
     out.sort(key=lambda r: (not r.warmup, r.index))
     return out
 
@@ -125,6 +130,7 @@ async def _run_phase(
     requests: list[Request],
     schedule: Schedule,
     out: list[RequestRecord],
+    counts: _Counts,
     *,
     is_warmup: bool,
 ) -> None:
@@ -134,9 +140,11 @@ async def _run_phase(
     tasks: list[asyncio.Task] = []
 
     async def send(request: Request, intended_ns: int | None) -> None:
+        counts.sent()
         try:
             out.append(await sender.send(session, request, is_warmup, intended_ns))
         finally:
+            counts.ended()
             if slots is not None:
                 slots.release()
 
@@ -157,6 +165,26 @@ async def _run_phase(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass(slots=True)
+class _Counts:
+    """Requests in flight and finished, passed to the caller's callback on every change."""
+
+    notify: Callable[[int, int], None] | None
+    in_flight: int = 0
+    finished: int = 0
+
+    def sent(self) -> None:
+        self.in_flight += 1
+        if self.notify is not None:
+            self.notify(self.in_flight, self.finished)
+
+    def ended(self) -> None:
+        self.in_flight -= 1
+        self.finished += 1
+        if self.notify is not None:
+            self.notify(self.in_flight, self.finished)
 
 
 @dataclass(slots=True)

@@ -14,12 +14,14 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from spectune import interrupt
 from spectune.errors import SpectuneError
 from spectune.plan import Plan, plan_to_dict
+from spectune.progress import PlainProgress, SweepProgress
 from spectune.servers.base import ServerSpec, stop_all_servers
 from spectune.store import RunStore, cell_id
 
@@ -114,13 +116,14 @@ def check_resumable(store: RunStore, plan: Plan) -> None:
         )
 
 
-def run_sweep(plan: Plan, out: Path, *, resume: bool = False, log=print) -> SweepOutcome:
-    """Measure every cell of the plan into `out`; on resume only the unfinished ones. Owns SIGINT meanwhile."""
+def run_sweep(plan: Plan, out: Path, *, resume: bool = False, progress: SweepProgress | None = None) -> SweepOutcome:
+    """Measure every cell of the plan into `out`; on resume only the unfinished ones. Owns SIGINT meanwhile.
+    Events go to `progress` (default: a line per server start and per cell on stdout)."""
     with interrupt.owned_sigint():
-        return _run_sweep(plan, out, resume=resume, log=log)
+        return _run_sweep(plan, out, resume=resume, progress=progress or PlainProgress())
 
 
-def _run_sweep(plan: Plan, out: Path, *, resume: bool, log) -> SweepOutcome:
+def _run_sweep(plan: Plan, out: Path, *, resume: bool, progress: SweepProgress) -> SweepOutcome:
     if resume:
         store = RunStore.open(out)
         check_resumable(store, plan)
@@ -138,15 +141,17 @@ def _run_sweep(plan: Plan, out: Path, *, resume: bool, log) -> SweepOutcome:
         done_ids = {cid for cid, row in finished.items() if row.get("status") in ("ok", "failed")}
         todo = [c for c in plan_cells(plan) if c.id not in done_ids]
         outcome.skipped = len(plan_cells(plan)) - len(todo)
+        progress.start(len(todo), outcome.skipped, [s.name for s in plan.servers if any(c.server.name == s.name for c in todo)])
         for spec in plan.servers:
             interrupt.check()
             cells = [c for c in todo if c.server.name == spec.name]
             if cells:
-                _run_server(plan, store, spec, cells, outcome, log)
+                _run_server(plan, store, spec, cells, outcome, progress)
     except KeyboardInterrupt:
         outcome.interrupted = True
     finally:
         try:
+            progress.close()
             with interrupt.critical():  # a Ctrl-C now waits for the servers to stop and the files to be written
                 stop_all_servers()
                 _update_progress(store, plan, outcome)
@@ -177,7 +182,8 @@ def _preflight(plan: Plan) -> None:
         check_tokenizers(spec)
 
 
-def _run_server(plan: Plan, store: RunStore, spec: ServerSpec, cells: list[Cell], outcome: SweepOutcome, log) -> None:
+def _run_server(plan: Plan, store: RunStore, spec: ServerSpec, cells: list[Cell], outcome: SweepOutcome,
+                progress: SweepProgress) -> None:
     from spectune.servers import make_server
 
     server = make_server(spec, store.log_dir(), round_log=store.round_log_path(spec.name), max_batch_size=max(plan.batch_sizes))
@@ -187,11 +193,9 @@ def _run_server(plan: Plan, store: RunStore, spec: ServerSpec, cells: list[Cell]
         for i, cell in enumerate(cells):
             interrupt.check()
             if not started or not server.alive():
-                if spec.url:
-                    log(f"[{spec.name}] {'server is down; attaching again to' if started else 'attaching to'} {spec.engine} server at {spec.url}")
-                else:
-                    log(f"[{spec.name}] {'server is down; restarting' if started else 'starting'} {spec.engine} server")
+                progress.server_starting(spec.name, spec.engine, restart=started, url=spec.url)
                 server.stop()
+                began = time.monotonic()
                 try:
                     server.start()
                 except SpectuneError as e:  # never ready: fail this server's remaining cells, go on with the next server
@@ -201,17 +205,18 @@ def _run_server(plan: Plan, store: RunStore, spec: ServerSpec, cells: list[Cell]
                             store.write_cell({**_cell_header(plan, rest, traffic_for(plan, rest.batch_size, rest.request_rate)[2]),
                                               "status": "failed", "error": f"{what}: {e}", "finished_at": _now()}, None)
                             outcome.failed += 1
-                    log(f"[{spec.name}] {what}: {e}")
+                    progress.server_failed(spec.name, f"{what}: {e}")
                     return
+                progress.server_ready(spec.name, time.monotonic() - began)
                 started = True
                 store.manifest["engines"][spec.name] = {"engine": spec.engine, "version": server.engine_version(), "pid": server.pid()}
                 exposes = getattr(server, "exposes", None)  # an attached server: what it was found to tell about itself
                 if exposes is not None:
                     store.manifest["engines"][spec.name]["exposes"] = exposes
-                    log(f"[{spec.name}] acceptance from: {', '.join(exposes) or 'nothing (no speculative counters found)'}")
+                    progress.message(f"[{spec.name}] acceptance from: {', '.join(exposes) or 'nothing (no speculative counters found)'}")
                 with interrupt.critical():
                     store.save_manifest()
-            row = _measure_cell(plan, store, server, cell, log, tokenizer)
+            row = _measure_cell(plan, store, server, cell, progress, tokenizer)
             if row["status"] == "failed":
                 outcome.failed += 1
             else:
@@ -231,7 +236,7 @@ def _served_tokenizer(spec: ServerSpec):
     return load_tokenizer(path, where) if path is not None else None
 
 
-def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log, tokenizer=None) -> dict:
+def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, progress: SweepProgress, tokenizer=None) -> dict:
     from spectune.analysis import Slo, acceptance, request_frame, summarize_cell
     from spectune.loadgen import run_requests
     from spectune.servers.memory import MemorySampler
@@ -244,6 +249,7 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log, tokenize
                   request_timeout_s=plan.request_timeout_s, stall_timeout_s=plan.stall_timeout_s,
                   extra_body=server.extra_body or None, tokenizer=tokenizer)
     warmup = plan.warmup_per_slot * cell.batch_size
+    progress.cell_started(cell.server.name, cell.batch_size, cell.repeat, warmup + len(requests))
     sampler = MemorySampler(server.pid())
     round_log = getattr(server, "round_log", None)  # the embedded engine logs its rounds
     # open loop: the batch size the server ran is not the cell's; without a round log, sample its running gauge
@@ -264,7 +270,8 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log, tokenize
         if not warmup:
             reset_and_scrape()
         interrupt.run(run_requests(server.base_url, server.model_name, requests, schedule, records=records,
-                                   warmup_requests=warmup, after_warmup=reset_and_scrape if warmup else None, **common))
+                                   warmup_requests=warmup, after_warmup=reset_and_scrape if warmup else None,
+                                   on_requests=progress.requests, **common))
         before = scrapes[0]
         after = server.scrape()
         offsets["end"] = log_size(round_log)
@@ -305,7 +312,7 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log, tokenize
         frame["prompt"] = frame["index"].map(prompts)
     with interrupt.critical():  # a finished cell is written whole, whenever Ctrl-C comes
         store.write_cell(row, frame)
-    log(_cell_line(row))
+    progress.cell_finished(row)
     if interrupted:
         raise KeyboardInterrupt
     return row
@@ -331,25 +338,6 @@ def _cell_header(plan: Plan, cell: Cell, digest: str) -> dict:
         "error": None,
         "started_at": _now(),
     }
-
-
-def _cell_line(row: dict) -> str:
-    tput = row.get("output_throughput_tps")
-    tpot = row.get("tpot_ms_mean")
-    acc = row.get("acceptance_rate")
-    rate = f" rate={row['request_rate']:g}/s" if row.get("request_rate") is not None else ""
-    parts = [f"[{row['server']}] bs={row['batch_size']}{rate} r={row['repeat']} {row['status']}"]
-    if tput is not None:
-        parts.append(f"{tput:.1f} tok/s")
-    if tpot is not None and tpot == tpot:
-        parts.append(f"TPOT {tpot:.2f} ms")
-    if acc is not None and acc == acc:
-        parts.append(f"acceptance {acc:.2f}")
-    if row.get("num_failed"):
-        parts.append(f"{row['num_failed']} failed requests")
-    if row.get("error"):
-        parts.append(f"({row['error'].splitlines()[0][:120]})")
-    return "  ".join(parts)
 
 
 def _api_key(spec: ServerSpec) -> str | None:

@@ -21,8 +21,9 @@ from typing import Protocol
 
 from spectune.errors import SpectuneError
 from spectune.records import Request
+from spectune.resources import shipped_dir
 
-WORKLOADS_DIR = Path(__file__).resolve().parent.parent / "workloads"
+WORKLOADS_DIR = shipped_dir("workloads")  # package data: the repository's workloads/ folder
 DEFAULT_MAX_TOKENS = 128  # for lines (and ShareGPT entries) that do not give one
 VALID_KEYS = ("prompt", "messages", "max_tokens", "arrival_s", "tag")
 

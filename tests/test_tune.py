@@ -40,10 +40,15 @@ def results(synthetic_results, tmp_path) -> Path:
     return Path(shutil.copytree(synthetic_results, tmp_path / "synthetic-run"))
 
 
-def test_tune_synthetic_results_recovers_model_and_writes_valid_configs(results):
+def test_tune_synthetic_results_recovers_model_and_writes_valid_configs(results, tmp_path, monkeypatch):
+    (tmp_path / "models" / "draft").mkdir(parents=True)
+    (tmp_path / "models" / "draft" / "config.json").write_text("{}")  # a Hugging Face directory: what vLLM loads
+    monkeypatch.chdir(tmp_path)
     outcome = tune(TuneOptions(results_dir=results, trials=60, seed=0, draft_model="models/draft"), log=lambda _: None)
     tuned = results / "tuned"
-    assert {p.name for p in outcome.files} == {"adaptive_spec.json", "vllm_speculative_config.json", "llamacpp_flags.txt", "tuning.json"}
+    assert {p.name for p in outcome.files} == {"adaptive_spec.json", "vllm_speculative_config.json", "llamacpp_flags.txt",
+                                               "deploy.md", "tuning.json"}
+    assert all(p.is_absolute() for p in outcome.files)
     report = json.loads((tuned / "tuning.json").read_text())
 
     # Every comparison, scored; the oracle bounds them all; per-batch-size statics beat one static g.
@@ -73,10 +78,14 @@ def test_tune_synthetic_results_recovers_model_and_writes_valid_configs(results)
     vllm = validate_vllm_config(tuned / "vllm_speculative_config.json")
     optima = {int(b): k for b, k in report["policies"]["best_per_batch_schedule"]["best_steps_by_batch_size"].items()}
     assert vllm.num_speculative_tokens_per_batch_size == schedule_from_optima(optima)
-    assert vllm.num_speculative_tokens == max(optima.values()) and vllm.model == "models/draft"
-    statics = report["policies"]["static_speedups"]
-    best_g = max((g for g in statics if int(g) > 0), key=statics.get)
-    assert (tuned / "llamacpp_flags.txt").read_text().split() == ["-md", "models/draft", "--spec-type", "draft-simple", "--spec-draft-n-max", best_g]
+    assert vllm.num_speculative_tokens == max(optima.values()) and vllm.model == str(tmp_path / "models" / "draft")
+    deploy = {d["engine"]: d for d in report["deploy"]}
+    assert deploy["vllm"]["method"] == "draft_model" and deploy["vllm"]["file"] == str(tuned / "vllm_speculative_config.json")
+    # llama.cpp needs the draft as GGUF; this directory holds no weights, so no GGUF can be made and it says so
+    flags = (tuned / "llamacpp_flags.txt").read_text().split()
+    assert "-md" not in flags and flags[:2] == ["--spec-type", "ngram-simple"]
+    assert deploy["llamacpp"]["method"] == "ngram" and "NOT MEASURED" in deploy["llamacpp"]["note"]
+    assert "draft_model measured faster but has no llama.cpp equivalent here: llama.cpp needs a GGUF file" in deploy["llamacpp"]["note"]
 
 
 def test_single_workload_run_takes_phase_acceptance_from_its_round_log(tmp_path):
@@ -129,6 +138,13 @@ def test_cli_worker_runs_trials_only_then_trials_0_writes_configs(results, spect
     assert final.returncode == 0, final.stderr
     report = json.loads((results / "cfg" / "tuning.json").read_text())
     assert report["study"]["complete"] == 4
+    # the console names the method tuned, its steps per batch size and what each engine's config runs
+    steps = report["policies"]["best_per_batch_schedule"]["best_steps_by_batch_size"]
+    assert "tuned method: draft_model on the embedded engine (the fastest measured over target-only)" in final.stdout
+    assert "steps per batch size (best per-batch-size schedule, simulated): " + ", ".join(
+        f"batch {b}: {steps[str(b)]}" for b in SYNTHETIC_COST.batch_sizes) in final.stdout
+    for d in report["deploy"]:
+        assert f"({d['method'] or 'no equivalent'}): {d['file']}" in final.stdout
     assert {c["name"] for c in report["comparisons"]} == COMPARISONS
     bad = subprocess.run([*spectune_cmd, "tune", str(results), "--objective", "fast"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --objective 'fast': must be one of throughput, latency, ttft, tpot, e2e"

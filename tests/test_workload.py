@@ -201,5 +201,8 @@ def test_closed_loop_never_exceeds_n_in_flight(concurrency):
     assert len(records) == 20 and all(r.error is None for r in records)
 
 
-def test_workloads_dir_is_next_to_the_package():
-    assert WORKLOADS_DIR == Path(__import__("spectune").__file__).resolve().parent.parent / "workloads"
+def test_workloads_are_package_data_linked_to_the_top_level_folder():
+    package = Path(__import__("spectune").__file__).resolve().parent
+    assert WORKLOADS_DIR == package / "_data" / "workloads"
+    # in the repository, one copy: the package's folder is the top-level workloads/ folder
+    assert WORKLOADS_DIR.resolve() == package.parent / "workloads"

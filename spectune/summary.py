@@ -1,0 +1,119 @@
+"""The closing summary of `spectune sweep`: the measured recommendation per batch size, what each engine's config
+runs, and every file written. A rich table on a terminal, aligned plain text otherwise."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+COLUMNS = ("batch size", "method", "steps", "speedup", "95% CI", "clear?", "acceptance", "accept. length")
+RESULT_FILES = ("run.json", "cells.parquet", "requests.parquet", "summary.parquet", "study.db")
+RESULT_DIRS = ("cells", "requests", "rounds", "logs")
+
+
+@dataclass(slots=True)
+class Summary:
+    rows: list[tuple[str, ...]]  # COLUMNS, formatted
+    deploy: list[tuple[str, str, str]]  # engine, method, file
+    files: list[str]  # every file or folder written, absolute; folders with their file count
+
+
+def build_summary(results: Path, report_files: list[Path] = ()) -> Summary:
+    from spectune.analysis import recommendation_table
+    from spectune.store import load_run
+
+    run = load_run(results)
+    rows = []
+    if not run.cells.empty:
+        table = recommendation_table(run.cells, run.manifest.get("plan", {}).get("max_failure_rate", 0.05))
+        rows = [_row(r) for r in table.itertuples(index=False)]
+    return Summary(rows=rows, deploy=_deploy(results / "tuned" / "tuning.json"), files=_files(Path(results), report_files))
+
+
+def _row(r) -> tuple[str, ...]:
+    ci = f"[{r.speedup_ci_low:.2f}, {r.speedup_ci_high:.2f}]" if _finite(r.speedup_ci_low) else "-"
+    is_target = r.method == "target-only"
+    clear = "yes" if r.is_clear else ("no CI" if not _finite(r.speedup_ci_low) and not is_target else "within noise")
+    return (str(r.batch_size), str(r.method), str(r.steps), f"{r.speedup:.2f}x", ci, clear,
+            f"{r.acceptance_rate:.2f}" if _finite(r.acceptance_rate) else "-",
+            f"{r.acceptance_length:.2f}" if _finite(r.acceptance_length) else "-")
+
+
+def _deploy(tuning: Path) -> list[tuple[str, str, str]]:
+    from spectune.deploy_engines import ENGINE_NAMES
+
+    if not tuning.is_file():
+        return []
+    entries = json.loads(tuning.read_text()).get("deploy", [])
+    return [(ENGINE_NAMES.get(d["engine"], d["engine"]), d.get("method") or "no equivalent (see deploy.md)", d.get("file") or "-")
+            for d in entries]
+
+
+def _files(results: Path, report_files: list[Path]) -> list[str]:
+    root = results.resolve()
+    out = [str(root / name) for name in RESULT_FILES if (root / name).is_file()]
+    for name in RESULT_DIRS:
+        if (root / name).is_dir():
+            count = sum(1 for p in (root / name).iterdir() if p.is_file())
+            out.append(f"{root / name}/ ({count} files)")
+    tuned = root / "tuned"
+    if tuned.is_dir():
+        out += sorted(str(p) for p in tuned.iterdir() if p.is_file() and not p.name.startswith("."))
+    for folder in dict.fromkeys(Path(p).resolve().parent for p in report_files):  # the report and its plots
+        out += sorted(str(p) for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+    return out
+
+
+def _finite(x) -> bool:
+    return x is not None and not (isinstance(x, float) and math.isnan(x)) and not pd.isna(x)
+
+
+TITLE = "Recommendation per batch size (measured: the fastest static server, or target-only where none was faster)"
+CAPTION = ("speedup: output tokens/s vs target-only at that batch size, geometric mean over repeats, with its 95% CI; "
+           "clear?: the CI excludes 1; acceptance: accepted / proposed drafts; accept. length: tokens per verify round")
+
+
+def plain_text(summary: Summary) -> str:
+    lines = [TITLE, CAPTION]
+    if summary.rows:
+        widths = [max(len(c), *(len(r[i]) for r in summary.rows)) for i, c in enumerate(COLUMNS)]
+        lines.append("  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)).rstrip())
+        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in summary.rows]
+    else:
+        lines.append("(no target-only cell finished: nothing to recommend)")
+    if summary.deploy:
+        lines.append("Deploy (each engine's config runs the fastest measured method it can; why: tuned/deploy.md):")
+        width = max(len(e) for e, _, _ in summary.deploy)
+        lines += [f"  {e.ljust(width)}  {m}: {f}" for e, m, f in summary.deploy]
+    lines.append("Files written:")
+    lines += [f"  {f}" for f in summary.files]
+    return "\n".join(lines)
+
+
+def print_rich(summary: Summary, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=TITLE, caption=CAPTION, title_justify="left", caption_justify="left")
+    for i, c in enumerate(COLUMNS):
+        table.add_column(c, justify="right" if i in (0, 2, 3, 6, 7) else "left")
+    for r in summary.rows:
+        table.add_row(*r)
+    if summary.rows:
+        console.print(table)
+    else:
+        console.print("(no target-only cell finished: nothing to recommend)")
+    if summary.deploy:
+        deploy = Table(title="Deploy (each engine's config runs the fastest measured method it can; why: tuned/deploy.md)",
+                       title_justify="left")
+        for c in ("engine", "method", "file"):
+            deploy.add_column(c, overflow="fold")
+        for row in summary.deploy:
+            deploy.add_row(*row)
+        console.print(deploy)
+    console.print("Files written:", highlight=False)
+    for f in summary.files:
+        console.print(f"  {f}", highlight=False, markup=False, soft_wrap=True)
