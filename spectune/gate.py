@@ -295,6 +295,9 @@ def _speedup_per_repeat(cells: pd.DataFrame, rule: Rule, where: str, result: Gat
             return None
         return cells.iloc[0:0].assign(value=[])
     metric, invert = ("output_throughput_tps", False) if rule.metric == "speedup" else ("tpot_ms_mean", True)
+    if metric not in cells:
+        result.errors.append(f"rule {rule.name!r}: {rule.metric} needs {metric} in the cells of {where}")
+        return None
     target = cells.loc[cells["server"] == targets[0], ["batch_size", "repeat", metric]].rename(columns={metric: "base"})
     spec = cells[cells["is_speculative"].astype(bool)].merge(target, on=["batch_size", "repeat"])
     ratio = spec["base"] / spec[metric] if invert else spec[metric] / spec["base"]

@@ -88,8 +88,16 @@ def tuned(run, tmp_path_factory) -> Path:
     return root
 
 
-def _sections_in_order(text: str) -> list[int]:
-    return [text.index(s) for s in SECTIONS]
+def _headings(text: str) -> list[str]:
+    """The h2/h3 headings of the page, or the ##/### headings of the Markdown, in order."""
+    found = re.findall(r"<h[23][^>]*>(.*?)</h[23]>", text) or re.findall(r"^#{2,3} (.+)$", text, re.M)
+    assert found, "no headings"
+    return found
+
+
+def _section_positions(text: str) -> list[int]:
+    headings = _headings(text)
+    return [next(i for i, h in enumerate(headings) if h.startswith(s)) for s in SECTIONS]
 
 
 def test_report_answers_first_escapes_in_both_files_and_says_how_to_tune(run, tmp_path, spectune_cmd):
@@ -102,8 +110,8 @@ def test_report_answers_first_escapes_in_both_files_and_says_how_to_tune(run, tm
     assert "<script>" not in md and r"\<script\>alert(1)\</script\>" in md
     assert not re.search(r"&(#x?[0-9a-fA-F]+|[a-z]+);", md), "Markdown must not show HTML entities"
     for text in (page, md):
-        positions = _sections_in_order(text)
-        assert positions == sorted(positions), "sections out of order"
+        positions = _section_positions(text)
+        assert positions == sorted(positions), f"sections out of order: {_headings(text)}"
         assert "Not tuned yet: run" in text
         assert "{'done'" not in text  # the status row is words, not a Python dict
     # the recommendation: one row per batch size, in the first table of both files
@@ -181,7 +189,7 @@ def test_report_survives_missing_data(run, tmp_path):
     (mixed / "tuned").mkdir()
     (mixed / "tuned" / "tuning.json").write_text("{}")
     page, md = (p.read_text() for p in write_report(mixed, tmp_path / "r2"))
-    assert "(one repeat: no CI)" in md
+    assert "one repeat per cell: no confidence intervals" in md
     flagged = md.split("### Flagged cells", 1)[1].split("###", 1)[0]
     assert "eagle-g2" in flagged and r"server exited during the cell; last log lines: \<boom\>" in flagged
     assert "goodput (req/s)" in md and "queue delay p50 (ms)" in md and "- `goodput_rps`" in md

@@ -104,6 +104,8 @@ def collect(results: str | Path) -> ReportData:
     usable = _no_acceptance_without_drafts(cells[(cells["status"] == "ok") & (failure_rate <= limit)])
     flagged = _flagged(cells[~cells.index.isin(usable.index)], limit)
     recommendation, speedups = _speedups(usable, limit, notes)
+    if not usable.empty and usable["repeat"].nunique() < 2:
+        notes.append("one repeat per cell: no confidence intervals and no noise estimate; sweep with repeats = 3 for them")
     return ReportData(
         title=title,
         results_dir=results,

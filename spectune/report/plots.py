@@ -135,18 +135,19 @@ def _speedup(data: ReportData, styles: dict[str, Style]) -> Plot | None:
     return Plot("speedup", "Speedup vs batch size", caption, _png(fig))
 
 
-LATENCIES = (("ttft_ms", "time to first token (ms)"), ("tpot_ms", "time per output token (ms)"),
-             ("icl_ms", "inter-chunk latency (ms)"))
+LATENCIES = (("ttft_ms", "TTFT", "time to first token (ms)"), ("tpot_ms", "TPOT", "time per output token (ms)"),
+             ("icl_ms", "ICL", "inter-chunk latency (ms)"))
 
 
 def _latency(data: ReportData, styles: dict[str, Style]) -> Plot | None:
     import matplotlib.pyplot as plt
 
-    shown = [(m, label) for m, label in LATENCIES if f"{m}_p50" in data.per_cell]
+    shown = [entry for entry in LATENCIES if f"{entry[0]}_p50" in data.per_cell]
     if data.per_cell.empty or not shown:
         return None
-    fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown), 4.2), squeeze=False)
-    for ax, (metric, label) in zip(axes[0], shown):
+    fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown), 4.4), squeeze=False)
+    for ax, (metric, title, label) in zip(axes[0], shown):
+        ax.set_title(title, fontsize=11, fontweight="bold")
         for server, frame in data.per_cell.groupby("server", sort=True):
             s = styles[server]
             frame = frame.sort_values("batch_size")
@@ -157,9 +158,7 @@ def _latency(data: ReportData, styles: dict[str, Style]) -> Plot | None:
         _batch_axis(ax, data.batch_sizes)
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.06 + 0.045 * ((len(labels) - 1) // 4), 1, 1))
+    _figure_legend(fig, axes[0][0])
     return Plot("latency", "Latency percentiles", "Solid: median (p50); dotted: p99 (the slowest 1%); each the mean over repeats. "
                 "p90 is in the table below. Lower is better.", _png(fig, tight=False))
 
@@ -193,10 +192,12 @@ def _acceptance(data: ReportData, styles: dict[str, Style]) -> Plot | None:
     if spec[[c for c in ("acceptance_rate", "acceptance_length") if c in spec]].isna().all().all():
         return None
     pos_cols = sorted((int(m.group(1)), c) for c in data.cells.columns if (m := POS_COLUMN.match(c)))
-    panels = [("acceptance_rate", "acceptance rate (accepted / drafted)"), ("acceptance_length", "acceptance length (tokens / round)")]
+    panels = [("acceptance_rate", "acceptance rate", "accepted / drafted tokens"),
+              ("acceptance_length", "acceptance length", "tokens per verify round")]
     panels = [p for p in panels if p[0] in spec]
-    fig, axes = plt.subplots(1, len(panels) + bool(pos_cols), figsize=(4.2 * (len(panels) + bool(pos_cols)), 4.2), squeeze=False)
-    for ax, (metric, label) in zip(axes[0], panels):
+    fig, axes = plt.subplots(1, len(panels) + bool(pos_cols), figsize=(4.2 * (len(panels) + bool(pos_cols)), 4.4), squeeze=False)
+    for ax, (metric, title, label) in zip(axes[0], panels):
+        ax.set_title(title, fontsize=11, fontweight="bold")
         for server, frame in spec.groupby("server", sort=True):
             s = styles[server]
             frame = frame.sort_values("batch_size")
@@ -208,6 +209,7 @@ def _acceptance(data: ReportData, styles: dict[str, Style]) -> Plot | None:
             ax.set_ylim(bottom=1.0)
     if pos_cols:
         ax = axes[0][-1]
+        ax.set_title("per draft position", fontsize=11, fontweight="bold")
         cells = data.cells[data.cells["is_speculative"].astype(bool)]
         for server, frame in cells.groupby("server", sort=True):
             g = int(frame["num_speculative_tokens"].max())
@@ -221,9 +223,7 @@ def _acceptance(data: ReportData, styles: dict[str, Style]) -> Plot | None:
         ax.set_ylabel("share of rounds with draft i accepted")
         ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.25)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.06 + 0.045 * ((len(labels) - 1) // 4), 1, 1))
+    _figure_legend(fig, axes[0][0])
     return Plot("acceptance", "Acceptance", "How many drafted tokens the target accepted: rate and tokens per verify round "
                 "(including the bonus token) per batch size, and per draft position over all batch sizes. Higher is better.",
                 _png(fig, tight=False))
@@ -289,6 +289,14 @@ def _batch_axis(ax, sizes: list[int]) -> None:
         ax.set_xlim(sizes[0] * 0.5, sizes[0] * 1.5)
     ax.set_xlabel(BATCH_LABEL)
     ax.grid(alpha=0.25)
+
+
+def _figure_legend(fig, ax) -> None:
+    """One legend under a row of panels, in rows of at most 5 entries."""
+    handles, labels = ax.get_legend_handles_labels()
+    ncol = min(5, len(labels)) or 1
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.05 + 0.045 * ((len(labels) - 1) // ncol), 1, 1))
 
 
 def _legend(ax, handles, labels) -> None:

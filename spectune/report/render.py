@@ -110,6 +110,8 @@ def headline(data: ReportData) -> str:
         return "No recommendation: the run has no target-only and speculative cells measured on the same traffic."
     wins = rec[rec["method"] != "target-only"]
     losses = rec[rec["method"] == "target-only"]
+    if data.speedups.empty:
+        return "Only target-only servers were measured: add speculative servers to the plan to compare against them."
     if wins.empty:
         return (f"Speculative decoding did not beat target-only at any measured batch size "
                 f"({', '.join(str(b) for b in rec['batch_size'])}): serve without it.")
