@@ -50,6 +50,7 @@ class Table:
     rows: list[list[str]]
     numeric: list[bool]  # right-align these columns
     nowrap: list[bool] = field(default_factory=list)  # names that must not wrap
+    pre: list[bool] = field(default_factory=list)  # text whose line breaks matter (model output), shown preformatted
 
 
 # --- formatting --------------------------------------------------------------------------------------------
@@ -192,7 +193,8 @@ def flagged_table(data: ReportData) -> Table:
 
 
 def clip(text: object, limit: int = 400) -> str:
-    text = str(text)
+    """Model text for display: no leading or trailing blank lines, no runs of blank lines, at most `limit` chars."""
+    text = re.sub(r"\n\s*\n(\s*\n)+", "\n\n", str(text).strip("\n").rstrip())
     return text if len(text) <= limit else text[:limit] + " …"
 
 
@@ -200,7 +202,9 @@ def samples_table(data: ReportData) -> Table:
     same = {True: "yes", False: "NO: differs"}
     rows = [[str(r.server), same.get(r.same_as_target, "(reference)" if r.same_as_target is None else ""), clip(r.output)]
             for r in data.samples.itertuples()]
-    return _table(rows, ["server", "same output as target-only", "output"], [False] * 3, [True, True, False])
+    table = _table(rows, ["server", "same output as target-only", "output"], [False] * 3, [True, True, False])
+    table.pre = [False, False, True]
+    return table
 
 
 DETAIL_COLUMNS = [  # (column, header, digits)
