@@ -100,8 +100,9 @@ def collect(results: str | Path) -> ReportData:
         empty = pd.DataFrame()
         return ReportData(title, results, run.manifest, empty, empty, empty, empty, empty, empty, [], read_tuning(results),
                           empty, empty, ["no finished cells yet"])
-    failure_rate = cells["failure_rate"].fillna(0.0) if "failure_rate" in cells else pd.Series(0.0, index=cells.index)
-    usable = _no_acceptance_without_drafts(cells[(cells["status"] == "ok") & (failure_rate <= limit)])
+    if "failure_rate" not in cells:  # a run from before failures were counted
+        cells = cells.assign(failure_rate=0.0)
+    usable = _no_acceptance_without_drafts(cells[(cells["status"] == "ok") & (cells["failure_rate"].fillna(0.0) <= limit)])
     flagged = _flagged(cells[~cells.index.isin(usable.index)], limit)
     recommendation, speedups = _speedups(usable, limit, notes)
     if not usable.empty and usable["repeat"].nunique() < 2:
