@@ -181,7 +181,7 @@ def test_report_survives_missing_data(run, tmp_path):
     shutil.copytree(run, mixed)
     for p in mixed.glob("cells/*__r1.json"):
         p.unlink()
-    failed = mixed / "cells" / "eagle-g2__bs2__r0.json"
+    failed = mixed / "cells" / "eagle__bs2__r0.json"
     row = json.loads(failed.read_text()) | {"status": "failed", "error": "server exited during the cell; last log lines: <boom>"}
     failed.write_text(json.dumps(row))
     for p in mixed.glob("cells/target__*.json"):
@@ -191,7 +191,7 @@ def test_report_survives_missing_data(run, tmp_path):
     page, md = (p.read_text() for p in write_report(mixed, tmp_path / "r2"))
     assert "one repeat per cell: no confidence intervals" in md
     flagged = md.split("### Flagged cells", 1)[1].split("###", 1)[0]
-    assert "eagle-g2" in flagged and r"server exited during the cell; last log lines: \<boom\>" in flagged
+    assert "eagle" in flagged and r"server exited during the cell; last log lines: \<boom\>" in flagged
     assert "goodput (req/s)" in md and "queue delay p50 (ms)" in md and "- `goodput_rps`" in md
     assert "Method tuned: **unknown**" in md
 
