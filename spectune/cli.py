@@ -252,19 +252,23 @@ def report(
 def gate(
     results: Path = typer.Argument(..., help="The new results directory."),
     baseline: Path = typer.Option(..., help="The baseline results directory to compare with."),
-    metric: str = typer.Option("output_throughput_tps", help="Higher-is-better metric to compare per cell."),
-    max_regression: float = typer.Option(0.10, help="Largest allowed relative drop, e.g. 0.10 = 10%."),
+    rules: Optional[Path] = typer.Option(None, help="Rules (TOML, see configs/gate-rules.toml). Default: target-only "
+                                         "throughput, speedup at the 2 smallest batch sizes, p99 TTFT and TPOT, acceptance length."),
     junit: Optional[Path] = typer.Option(None, help="Also write a JUnit XML file for CI."),
+    summary: Optional[Path] = typer.Option(None, help="Also write a Markdown summary (appended to $GITHUB_STEP_SUMMARY when set)."),
 ) -> None:
-    """Exit 1 when any cell regressed beyond --max-regression against the baseline."""
-    from spectune.gate import compare, write_junit
+    """Exit 1 when a metric got worse beyond its rule's threshold and beyond run-to-run noise; 2 on a bad baseline."""
+    from spectune.gate import DEFAULT_RULES, compare, load_rules, print_result, write_junit, write_summary
 
-    result = compare(results, baseline, metric=metric, max_regression=max_regression)
-    for line in result.lines():
-        typer.echo(line)
+    result = compare(results, baseline, load_rules(rules) if rules else DEFAULT_RULES, defaults=rules is None)
+    print_result(result)
     if junit is not None:
         write_junit(result, junit)
-    if not result.passed:
+    write_summary(result, results, baseline, summary)
+    if result.errors:
+        more = f" (and {len(result.errors) - 1} more above)" if len(result.errors) > 1 else ""
+        raise SpectuneError(result.errors[0] + more)
+    if result.regressions:
         raise typer.Exit(1)
 
 
