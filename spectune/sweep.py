@@ -179,6 +179,7 @@ def _run_server(plan: Plan, store: RunStore, spec: ServerSpec, cells: list[Cell]
 def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log) -> dict:
     from spectune.analysis import acceptance, request_frame, summarize_cell
     from spectune.loadgen import run_requests
+    from spectune.hostload import ForeignLoad
     from spectune.servers.memory import MemorySampler
     import asyncio
 
@@ -190,9 +191,11 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log) -> dict:
                   extra_body=server.extra_body or None)
     warmup = plan.warmup_per_slot * cell.batch_size
     sampler = MemorySampler(server.pid())
+    foreign = ForeignLoad([os.getpid(), server.pid()])
     interrupted = False
     try:
         sampler.start()
+        foreign.start()
         scrapes: list = []
 
         def reset_and_scrape() -> None:  # a warm-up fills the prefix cache with these very prompts
@@ -217,6 +220,7 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, log) -> dict:
         row["status"], row["error"] = "failed", f"{type(e).__name__}: {e}"
     finally:
         mem = sampler.stop()
+        row["foreign_cpu_cores"] = foreign.stop()  # other work on this machine during the cell (spectune.hostload)
         row["mem_peak_mb"], row["mem_mean_mb"], row["mem_source"] = mem.peak_mb, mem.mean_mb, mem.source
     measured = [r for r in records if not r.warmup]
     row.update(summarize_cell(measured))
