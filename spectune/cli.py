@@ -110,6 +110,28 @@ def tune(
     if outcome.summary is not None:
         typer.echo(outcome.summary[["name", "speedup", "policy"]].to_string(index=False, float_format="%.3f"))
         typer.echo("\n".join(str(p) for p in outcome.files))
+        for line in outcome.verdict_lines:
+            typer.echo(line)
+
+
+@app.command()
+def confirm(
+    results: Path = typer.Argument(..., help="A results directory tuned by spectune tune (RESULTS/tuned/tuning.json)."),
+    max_passes: int = typer.Option(20, min=2, help="Most paired passes (each runs every server once on the same traffic)."),
+    min_passes: int = typer.Option(4, min=2, help="Passes before the first look at the intervals."),
+    run_passes: Optional[int] = typer.Option(None, min=1, help="Run at most this many passes now; run again to continue."),
+    batch_sizes: Optional[str] = typer.Option(None, help="Closed-loop objectives: confirm at these swept batch sizes only, e.g. 1,16."),
+    out: Optional[Path] = typer.Option(None, help="Passes directory. Default: <RESULTS>/confirm."),
+) -> None:
+    """Measure the tuned config against SGLang's default config, the best static g and target-only on the engine,
+    paired passes until the difference is clear; write the verdict into tuning.json."""
+    from spectune.confirm import ConfirmOptions
+    from spectune.confirm import confirm as run_confirm
+
+    outcome = run_confirm(ConfirmOptions(results_dir=results, out_dir=out, max_passes=max_passes, min_passes=min_passes,
+                                         run_passes=run_passes, batch_sizes=_ints(batch_sizes, "--batch-sizes")), log=typer.echo)
+    if not outcome.finished:
+        typer.echo(f"{outcome.passes} passes so far; not settled yet. Continue with: spectune confirm {results}")
 
 
 # --- end model / tune / validate-config ---

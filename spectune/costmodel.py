@@ -456,6 +456,8 @@ class ServingCost:
     prefill_fixed_ms: float
     prefill_per_token_ms: float
     request_overhead_ms: float
+    # How the replay was fitted: "round-log gaps" (older logs) or "step clocks" (spectune.calibration)
+    source: str = "round-log gaps"
 
     def t_prefill(self, prompt_tokens: Sequence[int]) -> float:
         return self.prefill_fixed_ms + self.prefill_per_token_ms * len(prompt_tokens) * max(prompt_tokens)
@@ -562,11 +564,21 @@ class PositionalAcceptance:
 
     by_bucket: tuple[AcceptanceProfile, ...]
     bucket_tokens: int = POSITION_BUCKET_TOKENS
+    # Share of request-rounds per bucket in which the proposer offered drafts at all (an n-gram proposer finds no
+    # match); by_bucket then holds for those rounds only. Empty: every round drafts, by_bucket counts the others as
+    # rejecting draft 1.
+    drafted: tuple[float, ...] = ()
 
     def rate_matrix(self, num_positions: int, horizon: int) -> np.ndarray:
         """[P, H]: a_1..a_H for a round starting after p = 0..P-1 output tokens."""
         bucket = np.minimum(np.arange(num_positions) // self.bucket_tokens, len(self.by_bucket) - 1)
         return np.stack([self.by_bucket[b].rate_vector(horizon) for b in bucket])
+
+    def drafted_vector(self, num_positions: int) -> np.ndarray:
+        """[P]: the share of rounds starting after p output tokens that drafted (1 without `drafted`)."""
+        if not self.drafted:
+            return np.ones(num_positions)
+        return np.asarray(self.drafted)[np.minimum(np.arange(num_positions) // self.bucket_tokens, len(self.drafted) - 1)]
 
 
 def fit_positional_acceptance(accepted: np.ndarray, steps: np.ndarray, positions: np.ndarray) -> PositionalAcceptance:

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from spectune.adaptive import AdaptiveConfig
-from spectune.comparisons import compare
+from spectune.comparisons import compare, exhaustive_report, simulated_verdict
 from spectune.costmodel import CostFit, breakeven_batch_size, prediction_vs_measurement, recommend
 from spectune.emit import (
     MODEL_FREE_METHODS,
@@ -43,6 +43,7 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
     best = max(complete, key=lambda t: t.value)
     tuned = AdaptiveConfig.from_dict(best.user_attrs["config"], source=f"trial {best.number}")
     summary, policies = compare(bench, tuned)
+    assessed = assess(bench, tuned, summary, policies, options)
     files, notes = write_configs(tuned, policies, bench.fit.method, manifest, options, outdir)
     for note in notes:
         log(note)
@@ -60,12 +61,33 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
         "traces": [{"name": t.name, "rounds": t.num_rounds, "max_steps": t.max_steps,
                     "mean_batch_size": float(t.batch_sizes.mean())} for t in bench.traces],
         **(replay_report(bench.replay) if bench.replay is not None else {}),
+        **({"traffic_source": options.traffic or manifest.get("plan", {}).get("workload")} if bench.replay is not None else {}),
+        **assessed,
         **fit_report(bench.fit, cells, options.objective),
         "files": [p.name for p in files],
         "notes": notes,
     }
     files.append(_write_text(outdir / "tuning.json", json.dumps(_jsonable(report), indent=2, allow_nan=False) + "\n"))
     return summary, files
+
+
+def assess(bench: Bench, tuned: AdaptiveConfig, summary: pd.DataFrame, policies: dict, options: TuneOptions) -> dict[str, object]:
+    """tuning.json "verdict" (simulated, until `spectune confirm` measures; a measured one already there is kept
+    when the tuned config did not change) and "exhaustive"."""
+    speculative = {int(g): s for g, s in policies["static_speedups"].items() if int(g) > 0}
+    verdict = simulated_verdict(bench, tuned, max(speculative, key=speculative.get), options.seed)
+    previous = _previous(options, "verdict")
+    if previous and previous.get("source") == "measured" and _previous(options, "policies", {}).get("tuned_adaptive") == tuned.to_dict():
+        verdict = previous
+    return {"verdict": verdict, "exhaustive": exhaustive_report(bench, tuned, summary, policies)}
+
+
+def _previous(options: TuneOptions, key: str, default=None):
+    path = (options.out_dir or Path(options.results_dir) / "tuned") / "tuning.json"
+    try:
+        return json.loads(path.read_text()).get(key, default)
+    except (OSError, ValueError):
+        return default
 
 
 def _score_text(objective: str) -> str:

@@ -396,10 +396,12 @@ class AcceptanceDraws:
 
     horizon: int
     accepted: np.ndarray  # [N, P] int, P >= the largest output length
+    drafted: np.ndarray | None = None  # [N, P] bool: the proposer offered drafts (None: always); accepted is 0 where not
 
 
 def draw_acceptance(traffic: Traffic, profiles: dict[str, PositionalAcceptance], horizon: int, seed: int) -> AcceptanceDraws:
-    """Every request's accepted drafts at every output position, drawn (seeded) from its group's acceptance there."""
+    """Every request's accepted drafts at every output position, drawn (seeded) from its group's acceptance there
+    (and, where the profiles say how often the proposer drafts at all, whether it did)."""
     missing = sorted(set(traffic.groups) - set(profiles))
     if missing:
         raise SpectuneError(f"traffic {traffic.name}: no acceptance for group(s) {', '.join(missing)}; give a profile for each")
@@ -409,14 +411,18 @@ def draw_acceptance(traffic: Traffic, profiles: dict[str, PositionalAcceptance],
     by_group = {g: profiles[g].rate_matrix(positions, horizon) for g in set(traffic.groups)}  # [P, H] each
     rates = np.stack([by_group[g] for g in traffic.groups])  # [N, P, H]
     accepted = np.cumprod(draws < rates, axis=2).sum(axis=2)  # [N, P]: leading accepted drafts
-    return AcceptanceDraws(horizon=horizon, accepted=accepted)
+    if not any(profiles[g].drafted for g in set(traffic.groups)):
+        return AcceptanceDraws(horizon=horizon, accepted=accepted)
+    shares = np.stack([profiles[g].drafted_vector(positions) for g in traffic.groups])  # [N, P]
+    drafted = rng.random((traffic.num_requests, positions)) < shares
+    return AcceptanceDraws(horizon=horizon, accepted=accepted * drafted, drafted=drafted)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class RequestSimResult:
     policy: str
     requests: pd.DataFrame  # per request: group, arrival/send/first_token/finish ms, ttft/tpot/e2e ms, tokens, rounds
-    steps: pd.DataFrame  # per engine step: start_ms, kind, batch_size, steps, tokens, ms
+    steps: pd.DataFrame  # per engine step: start_ms, kind, batch_size, steps, tokens, ms; decode: at_horizon, drafted
 
     @property
     def ttft_ms(self) -> float:
@@ -492,7 +498,7 @@ def simulate_requests(
             t += cost.t_prefill(prompt[admitted].tolist())
             first[admitted] = t
             generated[admitted] = 1
-            steps.append((start, "prefill", len(admitted), 0, len(admitted), t - start))
+            steps.append((start, "prefill", len(admitted), 0, len(admitted), t - start, (), False))
             for i in admitted:
                 if output[i] <= 1:
                     end(i)
@@ -500,15 +506,16 @@ def simulate_requests(
             continue
         batch = np.array(running)  # [B]
         at_horizon = draws.accepted[batch, generated[batch]]  # [B]
+        drafted = draws.drafted is None or bool(draws.drafted[batch, generated[batch]].any())
         remaining = output[batch] - generated[batch]
         g = live.choose(at_horizon, remaining)
         accepted = np.minimum(at_horizon, g)
         gained = np.minimum(accepted + 1, remaining)
-        t += cost.decode.t_round(len(batch), g)
+        t += cost.decode.t_round(len(batch), g if drafted else 0)  # the engine verifies as many drafts as were offered
         generated[batch] += gained
         rounds[batch] += 1
         live.feedback(accepted.tolist(), len(batch))
-        steps.append((start, "decode", len(batch), g, int(gained.sum()), t - start))
+        steps.append((start, "decode", len(batch), g, int(gained.sum()), t - start, tuple(at_horizon.tolist()), drafted))
         for i in batch[generated[batch] >= output[batch]].tolist():
             end(i)
             done += 1
@@ -526,7 +533,7 @@ def simulate_requests(
         "output_tokens": output,
         "decode_rounds": rounds,
     })
-    timeline = pd.DataFrame(steps, columns=["start_ms", "kind", "batch_size", "steps", "tokens", "ms"])
+    timeline = pd.DataFrame(steps, columns=["start_ms", "kind", "batch_size", "steps", "tokens", "ms", "at_horizon", "drafted"])
     return RequestSimResult(policy=policy.label, requests=requests, steps=timeline)
 
 

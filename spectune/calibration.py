@@ -1,0 +1,419 @@
+"""The replay checked against the engine it stands for: the embedded engine's round log (every step's start and end,
+the requests in it, when each request was received and handed to the engine) joined with the load generator's
+records (send and chunk stamps). Both stamp the machine's monotonic clock (time.perf_counter), so every request's
+latency splits exactly into
+
+    TTFT = intake (send -> handed to the engine: HTTP, JSON, tokenizing, the server's event loop)
+         + queue (-> the start of its prefill step) + prefill (the step's compute) + first delivery (-> first chunk)
+    e2e  = TTFT + decode (prefill end -> end of its last step's compute) + last delivery - first delivery
+
+and every step's wall (start to the next step's start, when the engine did not idle in between) is known. The
+serving-cost terms the replay charges (spectune.costmodel.ServingCost) are fitted from these joins of a closed-loop
+sweep; spectune.calibration.compare_replay replays a measured run and sets the prediction beside the measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from spectune.costmodel import (
+    MIN_BUCKET_ROUNDS,
+    MIN_REQUEST_OVERHEAD_MS,
+    POSITION_BUCKET_TOKENS,
+    PositionalAcceptance,
+    RoundCost,
+    ServingCost,
+    _line_fit,
+    fit_positional_acceptance,
+)
+from spectune.errors import SpectuneError
+
+NEEDS = "the round log has no step clocks; sweep again with this spectune version (its engine logs start_s/end_s)"
+
+
+def step_frame(path: str | Path) -> pd.DataFrame:
+    """One row per engine step of a round log: kind, batch_size, num_steps (decode), width (drafts verified per
+    request: the most any request proposed; 0 when none drafted), padded_tokens (prefill: batch x longest prompt),
+    start_s/end_s (compute), next_start_s, wall_ms (start to the next step's start: compute, handing the tokens out
+    and taking new requests in; NaN where the engine idled before the next step, or at the log's end) and
+    request_ids."""
+    rows = []
+    with Path(path).open() as f:
+        for number, line in enumerate(f, 1):
+            row = json.loads(line)
+            if "start_s" not in row:
+                raise SpectuneError(f"{path}:{number}: {NEEDS}")
+            prefill = bool(row.get("prefill"))
+            prompts = row.get("prompt_tokens") or []
+            rows.append({
+                "kind": "prefill" if prefill else "decode",
+                "batch_size": int(row["batch_size"]),
+                "num_steps": 0 if prefill else int(row["num_steps"]),
+                "width": 0 if prefill else max(row["proposed"], default=0),
+                "padded_tokens": len(prompts) * max(prompts) if prompts else 0,
+                "start_s": float(row["start_s"]),
+                "end_s": float(row["end_s"]),
+                "num_running": int(row.get("num_running") or 0),
+                "request_ids": list(row["request_ids"]),
+                "submitted_s": row.get("submitted_s"),
+                "received_s": row.get("received_s"),
+                "prompt_tokens": prompts,
+                "proposed": row.get("proposed"),
+                "accepted": row.get("accepted"),
+            })
+    steps = pd.DataFrame(rows)
+    if steps.empty:
+        raise SpectuneError(f"{path}: no steps logged")
+    nxt = steps["start_s"].shift(-1)
+    # The engine idles only with nothing to run: before a prefill of requests that all reached it after this step
+    # ended, none running. A restart (a resumed sweep) starts the clock over: the next start is before this end.
+    first_submit = steps["submitted_s"].shift(-1).map(lambda s: min(s) if isinstance(s, list) and s and None not in s else np.nan)
+    idle = (steps["kind"].shift(-1) == "prefill") & (steps["num_running"].shift(-1) == 0) & ~(first_submit <= steps["end_s"])
+    wall = (nxt - steps["start_s"]) * 1000.0
+    steps["next_start_s"] = nxt
+    steps["compute_ms"] = (steps["end_s"] - steps["start_s"]) * 1000.0
+    steps["wall_ms"] = wall.where(~idle & (nxt >= steps["end_s"]))
+    return steps
+
+
+def engine_requests(steps: pd.DataFrame) -> pd.DataFrame:
+    """Per engine request (id): received_s, submitted_s, prompt_tokens, its prefill step's start/end, and per
+    step that produced a chunk for it (the prefill, then every decode step it ran in) that step's end_s."""
+    prefills = steps[steps["kind"] == "prefill"]
+    rows = {}
+    for step in prefills.itertuples():
+        for k, rid in enumerate(step.request_ids):
+            rows[rid] = {"request_id": rid, "received_s": step.received_s[k], "submitted_s": step.submitted_s[k],
+                         "prompt_tokens": step.prompt_tokens[k], "prefill_start_s": step.start_s, "prefill_end_s": step.end_s,
+                         "prefill_batch": step.batch_size, "step_ends": [step.end_s], "widths": [], "batch_sizes": [],
+                         "proposed": [], "accepted": [], "num_steps": []}
+    for step in steps[steps["kind"] == "decode"].itertuples():
+        for k, rid in enumerate(step.request_ids):
+            if rid in rows:  # a request prefilled before the log began is skipped
+                r = rows[rid]
+                r["step_ends"].append(step.end_s)
+                r["widths"].append(step.width)
+                r["batch_sizes"].append(step.batch_size)
+                r["proposed"].append(step.proposed[k])
+                r["accepted"].append(step.accepted[k])
+                r["num_steps"].append(step.num_steps)
+    return pd.DataFrame(list(rows.values()))
+
+
+def join_requests(client: pd.DataFrame, engine: pd.DataFrame) -> pd.DataFrame:
+    """The load generator's rows (one cell's or several) matched to the engine's requests: in order of send, each
+    takes the first engine request received at or after its send that no earlier one took (the server reads
+    requests in the order they arrive; warm-up requests, not in the client's rows, are passed over). A match must
+    agree on prompt tokens and on the number of chunks; rows that do not are dropped and counted in attrs."""
+    client = client[client["error"].isna()].sort_values("send_ns")
+    engine = engine.sort_values("received_s").reset_index(drop=True)
+    received = engine["received_s"].to_numpy(float)
+    taken = np.zeros(len(engine), dtype=bool)
+    picks, rows = [], []
+    cursor = 0
+    for row in client.itertuples():
+        send_s = row.send_ns / 1e9
+        while cursor < len(engine) and (taken[cursor] or received[cursor] < send_s):
+            cursor += 1
+        if cursor == len(engine):
+            break
+        taken[cursor] = True
+        picks.append(cursor)
+        rows.append(row.Index)
+    joined = pd.concat([client.loc[rows].reset_index(drop=True), engine.loc[picks].reset_index(drop=True).add_prefix("e_")], axis=1)
+    ok = (joined["e_prompt_tokens"] == joined["prompt_tokens"]) & (joined["num_chunks"] == joined["e_step_ends"].map(len))
+    joined = joined[ok].reset_index(drop=True)
+    joined.attrs["unmatched"] = int(len(client) - len(joined))
+    return joined
+
+
+def latency_parts(joined: pd.DataFrame) -> pd.DataFrame:
+    """Per matched request, its TTFT and e2e split into the parts of the module docstring (ms), and each chunk's
+    delivery (client stamp - the end of the step that produced it)."""
+    send = joined["send_ns"].to_numpy(float) / 1e9
+    first = joined["chunk_ns"].map(lambda c: c[0]).to_numpy(float) / 1e9
+    last = joined["chunk_ns"].map(lambda c: c[-1]).to_numpy(float) / 1e9
+    last_end = joined["e_step_ends"].map(lambda e: e[-1]).to_numpy(float)
+    ms = lambda x: x * 1000.0
+    out = pd.DataFrame({
+        "ttft_ms": ms(first - send),
+        "e2e_ms": ms(last - send),
+        "intake_ms": ms(joined["e_submitted_s"].to_numpy(float) - send),
+        "http_ms": ms(joined["e_received_s"].to_numpy(float) - send),
+        "queue_ms": ms(joined["e_prefill_start_s"].to_numpy(float) - joined["e_submitted_s"].to_numpy(float)),
+        "prefill_ms": ms(joined["e_prefill_end_s"].to_numpy(float) - joined["e_prefill_start_s"].to_numpy(float)),
+        "first_delivery_ms": ms(first - joined["e_prefill_end_s"].to_numpy(float)),
+        "decode_ms": ms(last_end - joined["e_prefill_end_s"].to_numpy(float)),
+        "last_delivery_ms": ms(last - last_end),
+        "prefill_batch": joined["e_prefill_batch"].to_numpy(int),
+        "output_tokens": joined["output_tokens"].to_numpy(int),
+    })
+    deliveries = [ms(np.asarray(c, dtype=float) / 1e9 - np.asarray(e, dtype=float)) for c, e in zip(joined["chunk_ns"], joined["e_step_ends"])]
+    out["mean_delivery_ms"] = [float(d.mean()) for d in deliveries]
+    return out
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class JoinedRun:
+    """A results directory's cells joined with its servers' round logs."""
+
+    steps: dict[str, pd.DataFrame]  # per server
+    requests: pd.DataFrame  # matched requests of every cell: cell, server, batch_size + latency_parts columns + joins
+    unmatched: int
+
+
+def join_run(run) -> JoinedRun:
+    """Every cell of a loaded run (spectune.store.Run) whose server has a round log with step clocks."""
+    steps, frames, unmatched = {}, [], 0
+    for server, path in run.round_logs.items():
+        steps[server] = step_frame(path)
+        engine = engine_requests(steps[server])
+        cells = run.cells[(run.cells["server"] == server) & (run.cells["status"] == "ok")]
+        for cell in cells.itertuples():
+            client = run.requests[run.requests["cell"] == cell.cell]
+            joined = join_requests(client, engine)
+            unmatched += joined.attrs["unmatched"]
+            parts = latency_parts(joined)
+            frames.append(pd.concat([joined, parts.drop(columns=["ttft_ms", "e2e_ms", "output_tokens"])], axis=1)
+                          .assign(cell=cell.cell, server=server, batch_size=cell.batch_size))
+    if not frames:
+        raise SpectuneError(f"{run.root}: no cells with round logs to join")
+    return JoinedRun(steps=steps, requests=pd.concat(frames, ignore_index=True), unmatched=unmatched)
+
+
+# --- fitting the replay's terms ----------------------------------------------------------------------------------
+
+MAX_FOREIGN_CORES = 0.25  # cells measured while other work used more of the machine are left out of the fit
+MIN_STEPS = 10  # steps per (batch size, width) below which a median wall is not trusted
+
+
+def quiet_cells(cells: pd.DataFrame, max_foreign: float = MAX_FOREIGN_CORES) -> pd.DataFrame:
+    """The ok cells measured while other work used at most max_foreign cores (all ok cells when the sweep did
+    not record it, or when none was that quiet)."""
+    ok = cells[cells["status"] == "ok"]
+    if "foreign_cpu_cores" not in ok:
+        return ok
+    quiet = ok[ok["foreign_cpu_cores"].fillna(0.0) <= max_foreign]
+    return quiet if not quiet.empty else ok
+
+
+def cell_windows(requests: pd.DataFrame, cells: pd.Series) -> list[tuple[float, float]]:
+    """Each cell's measured window on the monotonic clock (s): its first send to its last stream end."""
+    rows = requests[requests["cell"].isin(cells)]
+    spans = rows.groupby("cell").agg(lo=("send_ns", "min"), hi=("end_ns", "max"))
+    return [(lo / 1e9, hi / 1e9) for lo, hi in zip(spans["lo"], spans["hi"])]
+
+
+def in_windows(times: pd.Series, windows: list[tuple[float, float]]) -> pd.Series:
+    inside = pd.Series(False, index=times.index)
+    for lo, hi in windows:
+        inside |= (times >= lo) & (times <= hi)
+    return inside
+
+
+def fit_step_costs(steps: pd.DataFrame, batch_sizes) -> RoundCost:
+    """Decode wall per batch size and width (drafts verified per request) from steps of target-only and static
+    servers: the median wall at width 0 and per width >= 1, then a line in the width (a negative slope: flat, as
+    costmodel.fit_sweep). Batch sizes: `batch_sizes` and any other with MIN_STEPS steps at width 0 and at some width
+    >= 1 (closed-loop tails reach many)."""
+    decode = steps[(steps["kind"] == "decode") & steps["wall_ms"].notna()]
+    medians = decode.groupby(["batch_size", "width"])["wall_ms"].agg(["median", "size"])
+    medians = medians[medians["size"] >= MIN_STEPS]["median"]
+    rows = []
+    for bs in sorted(set(medians.index.get_level_values(0))):
+        at = medians.loc[bs]
+        spec = at[at.index > 0]
+        if 0 not in at.index or spec.empty or (bs not in batch_sizes and len(spec) < 1):
+            continue
+        w, t, t0 = spec.index.to_numpy(float), spec.to_numpy(float), float(at[0])
+        if len(w) >= 2 and (line := _line_fit(w, t))[1] >= 0:
+            fixed, slope = line[0] - t0, line[1]
+        elif len(w) >= 2:
+            fixed, slope = float(t.mean()) - t0, 0.0
+        else:
+            slope = max(0.0, float((t[0] - t0) / w[0]))
+            fixed = float(t[0]) - t0 - slope * w[0]
+        rows.append((int(bs), t0, float(fixed), float(slope)))
+    if not rows:
+        raise SpectuneError(f"round logs: no batch size has {MIN_STEPS}+ decode steps both without and with drafts")
+    bss, target, fixed, per_step = zip(*rows)
+    return RoundCost(batch_sizes=bss, target_ms=target, draft_fixed_ms=fixed, per_step_ms=per_step)
+
+
+def fit_prefill(steps: pd.DataFrame) -> tuple[float, float]:
+    """Prefill wall = fixed + per_token x padded tokens: a line through the compute of every prefill step (exact
+    even when the engine idled before it) plus the median hand-out time after a prefill (wall - compute)."""
+    prefill = steps[steps["kind"] == "prefill"]
+    if len(prefill) < 3:
+        raise SpectuneError("round logs: fewer than 3 prefill steps logged")
+    x, y = prefill["padded_tokens"].to_numpy(float), prefill["compute_ms"].to_numpy(float)
+    fixed, per_token = _line_fit(x, y)[:2]
+    if fixed < 0:
+        fixed, per_token = 0.0, float(x @ y / (x @ x))
+    post = (prefill["wall_ms"] - prefill["compute_ms"]).dropna()
+    return float(fixed + (post.median() if not post.empty else 0.0)), float(per_token)
+
+
+def fit_intake(steps: pd.DataFrame, requests: pd.DataFrame) -> float:
+    """The server's time per request before the engine sees it (HTTP, JSON, tokenizing, one at a time on its event
+    loop): the median over matched requests of submitted - max(send, the previous request's submit)."""
+    submitted = np.sort(np.concatenate([np.asarray(s, dtype=float) for s in steps.loc[steps["kind"] == "prefill", "submitted_s"]]))
+    own = requests["e_submitted_s"].to_numpy(float)
+    send = requests["send_ns"].to_numpy(float) / 1e9
+    previous = submitted[np.maximum(np.searchsorted(submitted, own) - 1, 0)]
+    previous = np.where(previous < own, previous, -np.inf)
+    service = (own - np.maximum(send, previous)) * 1000.0
+    return float(np.median(service)) if len(service) else 0.0
+
+
+def round_acceptance(joined: pd.DataFrame, tags: dict[str, str]) -> dict[str, PositionalAcceptance]:
+    """Per-position acceptance along the output per request tag (key "" pools all) from the engine's own record of
+    every request-round of static speculative servers: how often the proposer drafted at all, and given it did,
+    the conditional per-position acceptance (censored at the drafts it offered)."""
+    accepted, proposed, positions, groups = [], [], [], []
+    for row in joined.itertuples():
+        if not row.e_num_steps or max(row.e_num_steps) == 0:
+            continue
+        tokens = np.asarray(row.chunk_tokens, dtype=np.int64)
+        accepted.append(np.asarray(row.e_accepted, dtype=np.int64))
+        proposed.append(np.asarray(row.e_proposed, dtype=np.int64))
+        positions.append(np.cumsum(tokens)[:-1])  # output tokens before each decode step
+        groups.append(np.full(len(row.e_accepted), tags.get(row.prompt, ""), dtype=object))
+    if not accepted:
+        raise SpectuneError("round logs: no request-rounds of static speculative servers to fit acceptance on")
+    accepted, proposed, positions, groups = map(np.concatenate, (accepted, proposed, positions, groups))
+
+    def fit(rows: np.ndarray) -> PositionalAcceptance:
+        drafted = rows & (proposed > 0)
+        conditional = fit_positional_acceptance(accepted[drafted], proposed[drafted], positions[drafted])
+        bucket = positions // POSITION_BUCKET_TOKENS
+        whole = float((proposed[rows] > 0).mean())
+        shares = tuple(float((proposed[rows & (bucket == b)] > 0).mean()) if (rows & (bucket == b)).sum() >= MIN_BUCKET_ROUNDS else whole
+                       for b in range(len(conditional.by_bucket)))
+        return PositionalAcceptance(conditional.by_bucket, drafted=shares)
+
+    profiles = {g: fit(groups == g) for g in set(groups) if g}
+    profiles[""] = fit(np.ones(len(groups), dtype=bool))
+    return profiles
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Calibration:
+    """The replay's terms fitted from a sweep's step clocks, and what they were fitted on."""
+
+    cost: ServingCost
+    profiles: dict[str, PositionalAcceptance]  # per request tag; "" pools all
+    cells_used: int
+    cells_left_out: int  # measured while other work loaded the machine
+    requests_matched: int
+    requests_unmatched: int
+
+
+def has_step_clocks(run) -> bool:
+    """Whether every round log of the run was written by an engine that logs step clocks."""
+    for path in run.round_logs.values():
+        with Path(path).open() as f:
+            first = f.readline()
+        if not first or "start_s" not in json.loads(first):
+            return False
+    return bool(run.round_logs)
+
+
+def calibrate(run, engine: str, method: str, batch_sizes) -> Calibration:
+    """Fit the replay's serving cost and acceptance from a closed-loop sweep of target-only and static `method`
+    servers on the embedded engine, from quiet cells only (quiet_cells)."""
+    from spectune.workload import load_requests
+
+    cells = run.cells[(run.cells["engine"] == engine) & run.cells["adaptive_config"].isna()]
+    cells = cells[~cells["is_speculative"].astype(bool) | ((cells["method"] == method) & (cells["num_speculative_tokens"] > 0))]
+    quiet = quiet_cells(cells)
+    servers = sorted(set(quiet["server"]) & set(run.round_logs))
+    if not servers:
+        raise SpectuneError(f"{run.root}: no round logs of target-only or static {method} servers")
+    all_steps, joined, unmatched = [], [], 0
+    for server in servers:
+        steps = step_frame(run.round_logs[server])
+        mine = quiet[quiet["server"] == server]
+        windows = cell_windows(run.requests, mine["cell"])
+        all_steps.append(steps[in_windows(steps["start_s"], windows)])
+        engine_rows = engine_requests(steps)
+        for cell in mine["cell"]:
+            j = join_requests(run.requests[run.requests["cell"] == cell], engine_rows)
+            unmatched += j.attrs["unmatched"]
+            joined.append(j)
+    steps = pd.concat(all_steps, ignore_index=True)
+    joined = pd.concat(joined, ignore_index=True)
+    prefill_fixed, per_token = fit_prefill(steps)
+    cost = ServingCost(decode=fit_step_costs(steps, tuple(batch_sizes)), prefill_fixed_ms=prefill_fixed, prefill_per_token_ms=per_token,
+                       request_overhead_ms=max(MIN_REQUEST_OVERHEAD_MS, fit_intake(steps, joined)), source="step clocks")
+    tags = {_prompt_key(r): r.tag for r in load_requests(run.manifest["plan"]["workload"])}
+    spec = joined[joined["e_num_steps"].map(lambda s: bool(s) and max(s) > 0)]
+    return Calibration(cost=cost, profiles=round_acceptance(spec, tags), cells_used=len(quiet),
+                       cells_left_out=len(cells[cells["status"] == "ok"]) - len(quiet), requests_matched=len(joined),
+                       requests_unmatched=unmatched)
+
+
+def _prompt_key(request) -> str:
+    return request.prompt if request.prompt is not None else "\n".join(f"{role}: {text}" for role, text in request.messages or ())
+
+
+# --- the replay beside a measured run ------------------------------------------------------------------------------
+
+FIGURES = {"ttft_ms": "ttft_ms_mean", "tpot_ms": "tpot_ms_mean", "e2e_ms": "e2e_ms_mean"}
+
+
+def server_policy(cell: pd.Series, method: str):
+    """The step policy a measured server ran (None: a method other than the fitted one)."""
+    from spectune.adaptive import AdaptiveConfig
+    from spectune.emit import sglang_launch_steps
+    from spectune.simulate import AdaptiveConfigPolicy, StaticPolicy
+
+    if not cell["is_speculative"]:
+        return StaticPolicy(0)
+    if cell["method"] != method:
+        return None
+    if isinstance(cell.get("adaptive_config"), str):
+        cfg = AdaptiveConfig.from_file(cell["adaptive_config"])
+        return AdaptiveConfigPolicy(cfg, initial_steps=sglang_launch_steps(cfg), cuda_graph_bs=(), name=cell["server"])
+    return StaticPolicy(int(cell["num_speculative_tokens"]))
+
+
+def replay_vs_measured(fit_run, measured_runs: list, calibrated: bool, method: str | None = None, draws: int = 3,
+                       seed: int = 0) -> pd.DataFrame:
+    """Per measured server (over every run given, e.g. confirm passes: their mean) the replay's predicted mean TTFT,
+    TPOT and e2e next to the measured ones, with the replay fitted on fit_run (calibrated: from step clocks; else the
+    older fit from round-log gaps and streamed chunks). The measured runs' traffic (workload, schedule, cap) is
+    replayed; only closed-loop traffic without arrival times cannot be."""
+    from spectune import scoring
+    from spectune.costmodel import fit_sweep
+    from spectune.simulate import draw_acceptance
+
+    fit = fit_sweep(fit_run.cells, method=method)
+    horizon = max(fit.max_steps, 7)
+    cells = pd.concat([r.cells.assign(run=i) for i, r in enumerate(measured_runs)], ignore_index=True)
+    cells = cells[cells["status"] == "ok"]
+    rows = []
+    for (workload, cap), group in cells.groupby(["workload", "batch_size"]):
+        replay = scoring.make_replay(fit_run, fit, horizon, seed, workload, int(cap), calibrated)
+        all_draws = [draw_acceptance(replay.traffic, replay.profiles, horizon, seed + k) for k in range(draws)]
+        for server, mine in group.groupby("server"):
+            policy = server_policy(mine.iloc[0], fit.method)
+            if policy is None:
+                continue
+            from spectune.simulate import simulate_requests
+
+            sims = [simulate_requests(replay.traffic, policy, replay.cost, d, max_num_seqs=replay.max_num_seqs) for d in all_draws]
+            row = {"workload": workload, "max_concurrency": int(cap), "server": server, "passes": len(mine)}
+            for name, column in FIGURES.items():
+                predicted = float(np.mean([getattr(s, name) for s in sims]))
+                measured = float(mine[column].mean())
+                row |= {f"{name}_predicted": predicted, f"{name}_measured": measured, f"{name}_error": predicted / measured - 1.0,
+                        f"{name}_measured_sd": float(mine[column].std(ddof=1)) if len(mine) > 1 else math.nan}
+            rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,374 @@
+"""`spectune confirm`: is the tuned config better, measured? Run the tuned adaptive config, SGLang's default config,
+the best static g and target-only on the embedded engine with the same traffic, pass after pass (one pass = every
+server once, the order rotated each pass so that whatever else loads the machine hits every server alike), until
+the paired difference of each comparison is settled.
+
+Per pass and comparison (tuned vs SGLang's default, tuned vs the best static g) the gain is the log-ratio of the
+tuning objective's metric, signed so that > 0 means the tuned config did better (mean e2e lower, tokens/s higher),
+averaged over the batch sizes of a closed-loop pass. Passes pair the servers: the spread between passes (the
+machine's load) cancels in the difference.
+
+Stopping rule (a group-sequential design, so that looking again and again does not turn noise into a win): the
+rule looks at passes n_1 < ... < n_K (NUM_LOOKS points spread up to --max-passes, the first at --min-passes). At look
+k it takes the t-interval of the mean gain at level 1 - a_k, where a_k is what an O'Brien-Fleming-type spending
+function (Lan-DeMets: a(t) = 2 - 2 Phi(z_{1-a/2} / sqrt(t)), t = n_k / max passes) allows beyond the earlier looks,
+so that the chance of any look claiming a difference that is not there stays within a = 5% (the intervals are
+"95%" in that sense; each a_k is recorded). It stops when, for every comparison, the interval excludes 0 or is
+narrower than NARROW_PCT percentage points; else at --max-passes. A difference whose interval holds 0 is reported
+as "not distinguishable", never as a win.
+
+Every pass is a results directory (RESULTS/confirm/pass-NN, spectune's sweep layout): a run cut short resumes at
+the pass it stopped in, and `--run-passes N` runs at most N passes per call (the rest on the next call).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from spectune.errors import SpectuneError
+
+ALPHA = 0.05  # chance, over all looks, of calling a difference that is not there
+NARROW_PCT = 2.0  # an interval narrower than this (percentage points) settles a comparison too
+NUM_LOOKS = 4
+DEFAULT_MAX_PASSES = 20
+DEFAULT_MIN_PASSES = 4
+# objective -> (cell metric, higher is better, words)
+METRICS = {
+    "throughput": ("output_throughput_tps", True, "output tokens/s"),
+    "latency": ("tpot_ms_mean", False, "mean TPOT"),
+    "ttft": ("ttft_ms_mean", False, "mean TTFT"),
+    "tpot": ("tpot_ms_mean", False, "mean TPOT"),
+    "e2e": ("e2e_ms_mean", False, "mean e2e latency"),
+}
+TUNED, DEFAULT, STATIC, TARGET = "tuned", "sglang-default", "static", "target"
+COMPARED = {DEFAULT: "SGLang's default", STATIC: "the best static g"}  # what the tuned server is compared with
+
+
+# --- statistics -----------------------------------------------------------------------------------------------
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The p quantile of Student's t with df degrees of freedom (p > 0.5), by bisection on its CDF integrated with
+    Simpson's rule (scipy is a test-only dependency; agreement with scipy.stats.t.ppf is tested)."""
+    if not 0.5 < p < 1 or df < 1:
+        raise ValueError(f"t_quantile: need 0.5 < p < 1 and df >= 1, got p={p}, df={df}")
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def upper_half(x: float) -> float:  # P(0 < T < x)
+        grid = np.linspace(0.0, x, 4001)
+        pdf = np.exp(log_c - (df + 1) / 2 * np.log1p(grid**2 / df))
+        return float((grid[1] - grid[0]) / 3 * (pdf[0] + pdf[-1] + 4 * pdf[1:-1:2].sum() + 2 * pdf[2:-1:2].sum()))
+
+    lo, hi = 0.0, 1.0
+    while upper_half(hi) < p - 0.5:
+        lo, hi = hi, hi * 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if upper_half(mid) < p - 0.5 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def spent_alpha(t: float, alpha: float = ALPHA) -> float:
+    """Lan-DeMets O'Brien-Fleming-type spending: the error allowed by information fraction t (0 < t <= 1)."""
+    z = statistics.NormalDist().inv_cdf(1 - alpha / 2)
+    return 2 * (1 - statistics.NormalDist().cdf(z / math.sqrt(min(1.0, t))))
+
+
+def look_schedule(min_passes: int, max_passes: int, num_looks: int = NUM_LOOKS) -> tuple[int, ...]:
+    """The passes at which the rule looks: num_looks points up to max_passes, none before min_passes."""
+    if min_passes < 2 or max_passes < min_passes:
+        raise SpectuneError(f"--min-passes {min_passes} / --max-passes {max_passes}: need 2 <= min <= max (an interval needs 2 passes)")
+    return tuple(sorted({max(min_passes, math.ceil(max_passes * k / num_looks)) for k in range(1, num_looks + 1)}))
+
+
+def look_alphas(looks: tuple[int, ...], max_passes: int, alpha: float = ALPHA) -> tuple[float, ...]:
+    """Each look's share of alpha: the spending function's increase since the look before."""
+    spent = [spent_alpha(n / max_passes, alpha) for n in looks]
+    return tuple(s - p for s, p in zip(spent, [0.0, *spent[:-1]]))
+
+
+@dataclass(frozen=True, slots=True)
+class Difference:
+    """One comparison after n passes: the mean gain and its interval, as percentages (the metric's relative
+    improvement: lower latency or higher tokens/s; > 0 = the tuned config did better)."""
+
+    name: str
+    label: str
+    passes: int
+    mean_pct: float
+    lo_pct: float
+    hi_pct: float
+    level: float  # the interval's own level (1 - a_k)
+
+    @property
+    def excludes_zero(self) -> bool:
+        return self.lo_pct > 0 or self.hi_pct < 0
+
+    @property
+    def width_pct(self) -> float:
+        return self.hi_pct - self.lo_pct
+
+    @property
+    def settled(self) -> bool:
+        return self.excludes_zero or self.width_pct < NARROW_PCT
+
+    def words(self) -> str:
+        interval = f"{abs(self.mean_pct):.1f}% [{self.lo_pct:.1f}, {self.hi_pct:.1f}]"
+        if self.lo_pct > 0:
+            return f"better than {self.label} by {interval}"
+        if self.hi_pct < 0:
+            return f"worse than {self.label} by {abs(self.mean_pct):.1f}% [{-self.hi_pct:.1f}, {-self.lo_pct:.1f}]"
+        return f"not distinguishable from {self.label} on this traffic ({self.mean_pct:+.1f}% [{self.lo_pct:.1f}, {self.hi_pct:.1f}])"
+
+
+def to_pct(gain: float, higher_is_better: bool) -> float:
+    """A log-ratio gain as the metric's relative improvement in %: tokens/s up by e^g - 1, latency down by 1 - e^-g."""
+    return 100.0 * (math.expm1(gain) if higher_is_better else -math.expm1(-gain))
+
+
+def difference(name: str, label: str, gains: np.ndarray, level: float, higher_is_better: bool) -> Difference:
+    """The t-interval of the mean per-pass gain at `level`, in % (see to_pct)."""
+    n = len(gains)
+    mean = float(np.mean(gains))
+    half = t_quantile(1 - (1 - level) / 2, n - 1) * float(np.std(gains, ddof=1)) / math.sqrt(n) if n > 1 else math.inf
+    pct = lambda g: to_pct(g, higher_is_better) if math.isfinite(g) else math.copysign(math.inf, g)
+    return Difference(name, label, n, pct(mean), pct(mean - half), pct(mean + half), level)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    stop: bool
+    look: int | None  # the look taken at this pass count (None: not a look)
+    differences: tuple[Difference, ...]
+
+
+def decide(gains: pd.DataFrame, labels: dict[str, str], higher_is_better: bool, min_passes: int, max_passes: int,
+           alpha: float = ALPHA) -> Decision:
+    """The stopping rule (module docstring) after len(gains) passes; gains: one column per comparison, one row per
+    pass. Between looks (and before the first) nothing stops; the differences shown there are at the next look's
+    level."""
+    looks = look_schedule(min_passes, max_passes)
+    levels = dict(zip(looks, (1 - a for a in look_alphas(looks, max_passes, alpha))))
+    n = len(gains)
+    level = levels.get(n, levels[min((k for k in looks if k >= n), default=looks[-1])])
+    diffs = tuple(difference(c, labels[c], gains[c].to_numpy(float), level, higher_is_better) for c in gains.columns)
+    is_look = n in levels
+    stop = n >= max_passes or (is_look and all(d.settled for d in diffs))
+    return Decision(stop=stop, look=looks.index(n) + 1 if is_look else None, differences=diffs)
+
+
+def verdict_text(diffs: tuple[Difference, ...], metric_words: str, passes: int, source: str, capped: bool) -> str:
+    """One sentence a user can act on."""
+    body = " and ".join(d.words() for d in diffs)
+    tail = f"{source}, {passes} paired passes" + (", stopped at the cap" if capped else "")
+    return f"tuned adaptive on {metric_words}: {body} ({tail})"
+
+
+# --- running the passes ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ConfirmOptions:
+    results_dir: Path  # a sweep tuned by `spectune tune` (RESULTS/tuned/tuning.json)
+    tuned_dir: Path | None = None  # default RESULTS/tuned
+    out_dir: Path | None = None  # default RESULTS/confirm
+    max_passes: int = DEFAULT_MAX_PASSES
+    min_passes: int = DEFAULT_MIN_PASSES
+    run_passes: int | None = None  # run at most this many passes now (resume later); None = until the rule stops
+    batch_sizes: tuple[int, ...] | None = None  # closed-loop objectives: a subset of the sweep's batch sizes
+
+
+@dataclass(slots=True)
+class ConfirmOutcome:
+    passes: int
+    finished: bool  # the rule stopped (or the cap was reached)
+    verdict: dict | None  # what tuning.json "verdict" now holds (None before the first look's data)
+    table: pd.DataFrame = field(default_factory=pd.DataFrame)  # per pass and server: the metric
+
+
+def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> ConfirmOutcome:
+    from spectune.store import load_run
+    from spectune.sweep import run_sweep
+
+    tuned_dir = options.tuned_dir or Path(options.results_dir) / "tuned"
+    out = options.out_dir or Path(options.results_dir) / "confirm"
+    tuning = _read_tuning(tuned_dir)
+    objective = tuning["objective"]
+    metric, higher, words = METRICS[objective]
+    servers, raw = confirm_plan(load_run(options.results_dir).manifest, tuning, tuned_dir, out, options.batch_sizes)
+    look_schedule(options.min_passes, options.max_passes)  # bad bounds fail before anything runs
+    out.mkdir(parents=True, exist_ok=True)
+    ran, decision, table = 0, None, pd.DataFrame()
+    for i in range(options.max_passes):
+        pass_dir = out / f"pass-{i + 1:02d}"
+        if not _complete(pass_dir):
+            if options.run_passes is not None and ran >= options.run_passes:
+                break
+            plan = pass_plan(raw, servers, i)
+            log(f"confirm pass {i + 1} (at most {options.max_passes}): {', '.join(s['name'] for s in plan_servers(raw, servers, i))}")
+            outcome = run_sweep(plan, pass_dir, resume=(pass_dir / "run.json").exists(), log=log)
+            ran += 1
+            if outcome.interrupted:
+                raise KeyboardInterrupt
+            if outcome.failed:
+                raise SpectuneError(f"{pass_dir}: {outcome.failed} cell(s) failed; their causes are in {pass_dir}/cells/*.json")
+        table = pass_table(out, i + 1, metric)
+        gains = pass_gains(table, higher)
+        if len(gains) >= 2:
+            decision = decide(gains, COMPARED, higher, options.min_passes, options.max_passes)
+            if decision.stop:
+                break
+    n = table["pass"].nunique() if not table.empty else 0
+    verdict = None
+    if decision is not None:
+        verdict = measured_verdict(decision, n, words, metric, objective, options, servers, out, table)
+        write_verdict(tuned_dir, verdict)
+        log(verdict["text"])
+    return ConfirmOutcome(passes=n, finished=bool(decision and decision.stop), verdict=verdict, table=table)
+
+
+def _read_tuning(tuned_dir: Path) -> dict:
+    path = tuned_dir / "tuning.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpectuneError(f"{path}: not found; run `spectune tune RESULTS` first (confirm measures what it tuned)") from None
+
+
+def best_static_steps(tuning: dict) -> int:
+    """The best static speculative g (>= 1) on the tuning bench."""
+    speedups = {int(g): s for g, s in tuning["policies"]["static_speedups"].items() if int(g) > 0}
+    return max(speedups, key=speedups.get)
+
+
+def confirm_plan(manifest: dict, tuning: dict, tuned_dir: Path, out: Path,
+                 batch_sizes: tuple[int, ...] | None) -> tuple[list[dict], dict]:
+    """The four servers (target-only, the best static g, the tuned config, SGLang's default; all of the tuned
+    engine and method, as the sweep launched them) and the traffic of a pass: the replayed traffic on its arrival
+    times for the replay objectives, else the sweep's closed loop."""
+    from spectune.adaptive import SGLANG_DEFAULT_CONFIG
+    from spectune.emit import write_sglang_config
+
+    plan = dict(manifest["plan"])
+    engine, method = tuning["engine"], tuning["method"]
+    swept = plan["servers"]
+    target = next((s for s in swept if not s.get("method") and s.get("engine", "embedded") == engine), None)
+    spec = next((s for s in swept if s.get("method") == method and s.get("engine", "embedded") == engine and not s.get("adaptive_config")), None)
+    if target is None or spec is None:
+        raise SpectuneError(f"{tuned_dir / 'tuning.json'}: the sweep has no target-only or static {method} server on {engine} to confirm with")
+    if engine != "embedded" and not spec.get("url"):
+        pass  # launched engines (vLLM, SGLang, llama.cpp) run the same plan; only their adaptive support differs
+    out.mkdir(parents=True, exist_ok=True)
+    default_file = write_sglang_config(SGLANG_DEFAULT_CONFIG, out / "sglang-default-adaptive.json")
+    base = {k: v for k, v in spec.items() if k not in ("name", "num_speculative_tokens", "adaptive_config")}
+    g = best_static_steps(tuning)
+    servers = [
+        {**{k: v for k, v in target.items() if k != "name"}, "name": TARGET},
+        {**base, "name": f"{STATIC}-g{g}", "num_speculative_tokens": g},
+        {**base, "name": TUNED, "adaptive_config": str((tuned_dir / "adaptive_spec.json").resolve())},
+        {**base, "name": DEFAULT, "adaptive_config": str(default_file.resolve())},
+    ]
+    raw = {k: v for k, v in plan.items() if k not in ("servers", "name")}
+    raw |= {"name": "confirm", "repeats": 1}
+    if "traffic" in tuning:  # a replay objective: the replayed traffic, once, on its arrival times
+        source = tuning.get("traffic_source") or plan["workload"]
+        raw |= {"workload": source, "schedule": "trace", "batch_sizes": [tuning["traffic"]["max_num_seqs"]],
+                "prompts_per_slot": 1, "min_prompts": tuning["traffic"]["requests"], "warmup_per_slot": 0}
+    elif batch_sizes:
+        unknown = sorted(set(batch_sizes) - set(plan["batch_sizes"]))
+        if unknown:
+            raise SpectuneError(f"--batch-sizes: {unknown} were not swept; choose from {plan['batch_sizes']}")
+        raw["batch_sizes"] = sorted(batch_sizes)
+    return servers, raw
+
+
+def plan_servers(raw: dict, servers: list[dict], index: int) -> list[dict]:
+    shift = index % len(servers)
+    return servers[shift:] + servers[:shift]
+
+
+def pass_plan(raw: dict, servers: list[dict], index: int):
+    from spectune.plan import plan_from_dict
+
+    return plan_from_dict({**raw, "servers": plan_servers(raw, servers, index)}, source=f"confirm pass {index + 1}")
+
+
+def _complete(pass_dir: Path) -> bool:
+    path = pass_dir / "run.json"
+    return path.exists() and json.loads(path.read_text()).get("status") == "complete"
+
+
+def pass_table(out: Path, num_passes: int, metric: str) -> pd.DataFrame:
+    """One row per finished pass, server and batch size: the metric (role: tuned, sglang-default, static, target)."""
+    from spectune.store import load_run
+
+    frames = []
+    for i in range(1, num_passes + 1):
+        pass_dir = out / f"pass-{i:02d}"
+        if not _complete(pass_dir):
+            continue
+        cells = load_run(pass_dir).cells
+        cells = cells[cells["status"] == "ok"]
+        frames.append(pd.DataFrame({"pass": i, "server": cells["server"], "role": cells["server"].map(_role),
+                                    "batch_size": cells["batch_size"], "value": cells[metric],
+                                    "traffic_digest": cells["traffic_digest"]}))
+    table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["pass", "server", "role", "batch_size", "value"])
+    if not table.empty and table.groupby("batch_size")["traffic_digest"].nunique().max() > 1:
+        raise SpectuneError(f"{out}: the passes sent different traffic (traffic digests differ); start over with a new --out")
+    return table
+
+
+def _role(server: str) -> str:
+    return STATIC if server.startswith(STATIC + "-g") else server
+
+
+def pass_gains(table: pd.DataFrame, higher_is_better: bool) -> pd.DataFrame:
+    """Per pass (rows) and comparison (columns): the tuned server's log-ratio gain, averaged over batch sizes."""
+    if table.empty:
+        return pd.DataFrame(columns=list(COMPARED))
+    wide = table.pivot_table(index=["pass", "batch_size"], columns="role", values="value")
+    sign = 1.0 if higher_is_better else -1.0
+    gains = pd.DataFrame({c: sign * np.log(wide[TUNED] / wide[c]) for c in COMPARED})
+    return gains.groupby(level="pass").mean().dropna()
+
+
+def measured_verdict(decision: Decision, passes: int, words: str, metric: str, objective: str, options: ConfirmOptions,
+                     servers: list[dict], out: Path, table: pd.DataFrame) -> dict:
+    capped = decision.stop and not all(d.settled for d in decision.differences)
+    means = table.groupby("role")["value"].mean()
+    return {
+        "text": verdict_text(decision.differences, words, passes, "measured", capped),
+        "source": "measured",
+        "objective": objective,
+        "metric": metric,
+        "passes": passes,
+        "finished": decision.stop,
+        "stopped_by": ("cap" if capped else "rule") if decision.stop else None,
+        "comparisons": [{"name": d.name, "label": d.label, "mean_pct": d.mean_pct, "lo_pct": d.lo_pct, "hi_pct": d.hi_pct,
+                         "interval_level": d.level, "excludes_zero": d.excludes_zero, "settled": d.settled} for d in decision.differences],
+        "mean_by_server": {role: float(v) for role, v in means.items()},
+        "stopping_rule": (f"paired passes, server order rotated; looks at passes {list(look_schedule(options.min_passes, options.max_passes))} "
+                          f"(cap {options.max_passes}); at each, the t-interval of the mean log-ratio at the level an O'Brien-Fleming-type "
+                          f"alpha-spending function allows (overall {100 * (1 - ALPHA):.0f}%); stop when every interval excludes 0 or is "
+                          f"narrower than {NARROW_PCT:g} points"),
+        "servers": [s["name"] for s in servers],
+        "confirm_dir": str(out),
+    }
+
+
+def write_verdict(tuned_dir: Path, verdict: dict) -> None:
+    """Put `verdict` into tuning.json (the other keys untouched)."""
+    from spectune.store import atomic_write_bytes
+
+    path = tuned_dir / "tuning.json"
+    report = json.loads(path.read_text())
+    report["verdict"] = verdict
+    atomic_write_bytes(path, (json.dumps(report, indent=2, allow_nan=False) + "\n").encode())
