@@ -56,24 +56,45 @@ COMPARED = {DEFAULT: "SGLang's default", STATIC: "the best static g"}  # what th
 
 
 def t_quantile(p: float, df: int) -> float:
-    """The p quantile of Student's t with df degrees of freedom (p > 0.5), by bisection on its CDF integrated with
-    Simpson's rule (scipy is a test-only dependency; agreement with scipy.stats.t.ppf is tested)."""
+    """The p quantile of Student's t with df degrees of freedom (0.5 < p < 1), by bisection on its CDF written with
+    the regularized incomplete beta function (scipy is a test-only dependency; agreement with scipy is tested)."""
     if not 0.5 < p < 1 or df < 1:
         raise ValueError(f"t_quantile: need 0.5 < p < 1 and df >= 1, got p={p}, df={df}")
-    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-
-    def upper_half(x: float) -> float:  # P(0 < T < x)
-        grid = np.linspace(0.0, x, 4001)
-        pdf = np.exp(log_c - (df + 1) / 2 * np.log1p(grid**2 / df))
-        return float((grid[1] - grid[0]) / 3 * (pdf[0] + pdf[-1] + 4 * pdf[1:-1:2].sum() + 2 * pdf[2:-1:2].sum()))
-
+    tail = lambda t: 0.5 * _betai(df / 2, 0.5, df / (df + t * t))  # P(T > t), t >= 0
     lo, hi = 0.0, 1.0
-    while upper_half(hi) < p - 0.5:
+    while tail(hi) > 1 - p:
         lo, hi = hi, hi * 2
-    for _ in range(60):
+    for _ in range(200):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if upper_half(mid) < p - 0.5 else (lo, mid)
+        lo, hi = (mid, hi) if tail(mid) > 1 - p else (lo, mid)
+        if hi - lo < 1e-10 * hi:
+            break
     return (lo + hi) / 2
+
+
+def _betai(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b) (continued fraction, modified Lentz)."""
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - _betai(b, a, 1.0 - x)
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    f = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)), -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            f *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return front * f / a
 
 
 def spent_alpha(t: float, alpha: float = ALPHA) -> float:
@@ -200,7 +221,7 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
 
     tuned_dir = options.tuned_dir or Path(options.results_dir) / "tuned"
     out = options.out_dir or Path(options.results_dir) / "confirm"
-    tuning = _read_tuning(tuned_dir)
+    tuning = read_tuning(tuned_dir)
     objective = tuning["objective"]
     metric, higher, words = METRICS[objective]
     servers, raw = confirm_plan(load_run(options.results_dir).manifest, tuning, tuned_dir, out, options.batch_sizes)
@@ -209,11 +230,11 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
     ran, decision, table = 0, None, pd.DataFrame()
     for i in range(options.max_passes):
         pass_dir = out / f"pass-{i + 1:02d}"
-        if not _complete(pass_dir):
+        if not pass_complete(pass_dir):
             if options.run_passes is not None and ran >= options.run_passes:
                 break
             plan = pass_plan(raw, servers, i)
-            log(f"confirm pass {i + 1} (at most {options.max_passes}): {', '.join(s['name'] for s in plan_servers(raw, servers, i))}")
+            log(f"confirm pass {i + 1} (at most {options.max_passes}): {', '.join(s['name'] for s in plan_servers(servers, i))}")
             outcome = run_sweep(plan, pass_dir, resume=(pass_dir / "run.json").exists(), log=log)
             ran += 1
             if outcome.interrupted:
@@ -235,7 +256,7 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
     return ConfirmOutcome(passes=n, finished=bool(decision and decision.stop), verdict=verdict, table=table)
 
 
-def _read_tuning(tuned_dir: Path) -> dict:
+def read_tuning(tuned_dir: Path) -> dict:
     path = tuned_dir / "tuning.json"
     try:
         return json.loads(path.read_text())
@@ -264,8 +285,6 @@ def confirm_plan(manifest: dict, tuning: dict, tuned_dir: Path, out: Path,
     spec = next((s for s in swept if s.get("method") == method and s.get("engine", "embedded") == engine and not s.get("adaptive_config")), None)
     if target is None or spec is None:
         raise SpectuneError(f"{tuned_dir / 'tuning.json'}: the sweep has no target-only or static {method} server on {engine} to confirm with")
-    if engine != "embedded" and not spec.get("url"):
-        pass  # launched engines (vLLM, SGLang, llama.cpp) run the same plan; only their adaptive support differs
     out.mkdir(parents=True, exist_ok=True)
     default_file = write_sglang_config(SGLANG_DEFAULT_CONFIG, out / "sglang-default-adaptive.json")
     base = {k: v for k, v in spec.items() if k not in ("name", "num_speculative_tokens", "adaptive_config")}
@@ -290,7 +309,8 @@ def confirm_plan(manifest: dict, tuning: dict, tuned_dir: Path, out: Path,
     return servers, raw
 
 
-def plan_servers(raw: dict, servers: list[dict], index: int) -> list[dict]:
+def plan_servers(servers: list[dict], index: int) -> list[dict]:
+    """Pass `index`'s server order: the list rotated by one server per pass."""
     shift = index % len(servers)
     return servers[shift:] + servers[:shift]
 
@@ -298,10 +318,10 @@ def plan_servers(raw: dict, servers: list[dict], index: int) -> list[dict]:
 def pass_plan(raw: dict, servers: list[dict], index: int):
     from spectune.plan import plan_from_dict
 
-    return plan_from_dict({**raw, "servers": plan_servers(raw, servers, index)}, source=f"confirm pass {index + 1}")
+    return plan_from_dict({**raw, "servers": plan_servers(servers, index)}, source=f"confirm pass {index + 1}")
 
 
-def _complete(pass_dir: Path) -> bool:
+def pass_complete(pass_dir: Path) -> bool:
     path = pass_dir / "run.json"
     return path.exists() and json.loads(path.read_text()).get("status") == "complete"
 
@@ -313,13 +333,14 @@ def pass_table(out: Path, num_passes: int, metric: str) -> pd.DataFrame:
     frames = []
     for i in range(1, num_passes + 1):
         pass_dir = out / f"pass-{i:02d}"
-        if not _complete(pass_dir):
+        if not pass_complete(pass_dir):
             continue
         cells = load_run(pass_dir).cells
         cells = cells[cells["status"] == "ok"]
         frames.append(pd.DataFrame({"pass": i, "server": cells["server"], "role": cells["server"].map(_role),
                                     "batch_size": cells["batch_size"], "value": cells[metric],
-                                    "traffic_digest": cells["traffic_digest"]}))
+                                    "traffic_digest": cells["traffic_digest"],
+                                    "foreign_cpu_cores": cells.get("foreign_cpu_cores", pd.Series(np.nan, index=cells.index))}))
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["pass", "server", "role", "batch_size", "value"])
     if not table.empty and table.groupby("batch_size")["traffic_digest"].nunique().max() > 1:
         raise SpectuneError(f"{out}: the passes sent different traffic (traffic digests differ); start over with a new --out")
@@ -355,6 +376,9 @@ def measured_verdict(decision: Decision, passes: int, words: str, metric: str, o
         "comparisons": [{"name": d.name, "label": d.label, "mean_pct": d.mean_pct, "lo_pct": d.lo_pct, "hi_pct": d.hi_pct,
                          "interval_level": d.level, "excludes_zero": d.excludes_zero, "settled": d.settled} for d in decision.differences],
         "mean_by_server": {role: float(v) for role, v in means.items()},
+        "per_pass": table.pivot_table(index="pass", columns="role", values="value").reset_index().to_dict("records"),
+        "foreign_cpu_cores": {"mean": _finite(table["foreign_cpu_cores"].mean()), "max": _finite(table["foreign_cpu_cores"].max()),
+                              "meaning": "cores other work on the machine used during the cells (spectune.hostload)"},
         "stopping_rule": (f"paired passes, server order rotated; looks at passes {list(look_schedule(options.min_passes, options.max_passes))} "
                           f"(cap {options.max_passes}); at each, the t-interval of the mean log-ratio at the level an O'Brien-Fleming-type "
                           f"alpha-spending function allows (overall {100 * (1 - ALPHA):.0f}%); stop when every interval excludes 0 or is "
@@ -362,6 +386,10 @@ def measured_verdict(decision: Decision, passes: int, words: str, metric: str, o
         "servers": [s["name"] for s in servers],
         "confirm_dir": str(out),
     }
+
+
+def _finite(x: float) -> float | None:
+    return float(x) if x == x and math.isfinite(x) else None
 
 
 def write_verdict(tuned_dir: Path, verdict: dict) -> None:

@@ -79,6 +79,8 @@ def assess(bench: Bench, tuned: AdaptiveConfig, summary: pd.DataFrame, policies:
     previous = _previous(options, "verdict")
     if previous and previous.get("source") == "measured" and _previous(options, "policies", {}).get("tuned_adaptive") == tuned.to_dict():
         verdict = previous
+    if not options.exhaustive:
+        return {"verdict": verdict}
     return {"verdict": verdict, "exhaustive": exhaustive_report(bench, tuned, summary, policies)}
 
 

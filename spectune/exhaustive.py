@@ -302,7 +302,7 @@ def grid_search(rounds: Rounds, batch_sizes: tuple[int, ...], max_steps: int, sc
     exact = pd.DataFrame(exact_rows)
     best = exact.loc[exact["speedup"].idxmax()]
     per_slot = sum(len(continuous) if len(lad) > 1 else 1 for lad, _ in options)
-    grid_size = sum(float(per_slot) ** len(b) for b in partitions(batch_sizes))  # continuous values shared: an upper count
+    grid_size = len(continuous) * sum(float(len(options)) ** len(b) for b in partitions(batch_sizes))  # continuous values shared
     return GridResult(best=best["config"], best_speedup=float(best["speedup"]), grid_size=grid_size, proxy_candidates=per_slot,
                       exact=exact.assign(config=exact["config"].map(lambda c: c.to_dict())), seconds=time.perf_counter() - started)
 

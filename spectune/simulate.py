@@ -367,7 +367,9 @@ def window_profiles(trace: Trace, window: int = 50) -> list[AcceptanceProfile]:
 #   max_prefill_tokens); each gains its first token when the step ends. Otherwise every running request decodes:
 #   the policy picks g for the batch; a request that has p output tokens accepts min(accepted at the horizon at p, g)
 #   drafts and gains that + 1 tokens (cut at its output length); the policy is fed the accepted drafts, as the
-#   engine does.
+#   engine does. The step costs the drafts the engine verifies: g, or 0 when no request of the batch drafted (an
+#   n-gram proposer that found no match; AcceptanceDraws.drafted). Step costs are walls, start to next start (the
+#   tokens are handed out at the end of a wall: measured, chunks reach the client then, spectune.calibration).
 # - A request finishes (frees its engine slot and its client slot) at the end of the step that completes it.
 
 

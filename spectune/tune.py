@@ -43,6 +43,7 @@ class TuneOptions:
     method: str | None = None  # the speculative method to tune; None = the one that measured fastest (costmodel.fastest_method)
     traffic: str | None = None  # replay objectives: workload name or file with arrival_s; None = the sweep's
     max_concurrency: int | None = None  # replay objectives: requests in flight and engine slots; None = the sweep's largest batch size
+    exhaustive: bool = True  # also score an exhaustive grid of SGLang configs (spectune.exhaustive; a minute or two)
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ with CPython 3.11.7). Prompts are 150-600 characters (~40-150 tokens of a 2k-voc
 - phase:  quote/code phases alternating with random ones, arriving in bursts of 1, 4 and 16 so both
           acceptance and the number of concurrent requests shift over time (replay with Trace)
 - heldout: the phase set's kinds in another order, Poisson arrivals (POISSON_SETS)
+- shift:  long quote and random phases at a high and a low request rate (POISSON_SETS): where the step policy matters
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ POISSON_SETS = {
     # The phase set's kinds in another order and arrival process: traffic the replay is checked on, never fitted on.
     "heldout": (("random", 12, 4.0, 48), ("code", 24, 12.0, 48), ("quote", 32, 24.0, 48), ("random", 24, 16.0, 48),
                 ("quote", 12, 3.0, 48), ("code", 16, 8.0, 48)),
+    # Where the step policy matters: long phases of copying (n-gram drafts nearly all accepted) and of random words
+    # (drafts mostly wasted), each at a high and a low request rate, so the best g moves with the phase and with the
+    # batch size, and a policy has time to follow it.
+    "shift": (("quote", 64, 40.0, 48), ("random", 64, 40.0, 48), ("quote", 24, 2.5, 48), ("random", 24, 2.5, 48),
+              ("quote", 64, 40.0, 48), ("random", 64, 40.0, 48)),
 }
 
 

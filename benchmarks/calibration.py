@@ -1,0 +1,76 @@
+"""The request-level replay against the embedded engine, per server, before and after calibration, on traffic the
+replay was not fitted on.
+
+    python benchmarks/calibration.py RESULTS [--traffic heldout] [--passes 2] [--measure] [--out DIR]
+
+RESULTS is a closed-loop sweep tuned by `spectune tune` on a replay objective (its tuned/ holds the tuned config).
+With --measure, the four servers `spectune confirm` runs (target-only, the best static g, the tuned config, SGLang's
+default config) are run on the traffic (a workload with arrival_s), `--passes` times with the server order rotated,
+into DIR/<traffic>/pass-NN (resumable: finished passes are kept). Then every measured run under DIR/<traffic> is
+replayed with the replay fitted on RESULTS two ways:
+- before: the fit of spectune 0.x before calibration (step costs from round-log gaps at the swept batch sizes, a
+  decode step charged its policy's g whatever was drafted, acceptance from the streamed chunks);
+- after: spectune.calibration (step clocks, verify width, the engine's own request-rounds with the drafted share).
+Prints predicted vs measured mean TTFT, TPOT and e2e per server and the relative errors; writes DIR/<traffic>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from spectune.calibration import replay_vs_measured
+from spectune.confirm import pass_complete, read_tuning, confirm_plan, pass_plan
+from spectune.store import load_run
+from spectune.sweep import run_sweep
+
+
+def measure(results: Path, traffic: str, out: Path, passes: int) -> None:
+    tuning = read_tuning(results / "tuned")
+    servers, raw = confirm_plan(load_run(results).manifest, tuning, results / "tuned", out, None)
+    from spectune.workload import load_requests
+
+    raw |= {"workload": traffic, "min_prompts": len(load_requests(traffic))}
+    for i in range(passes):
+        pass_dir = out / f"pass-{i + 1:02d}"
+        if not pass_complete(pass_dir):
+            outcome = run_sweep(pass_plan(raw, servers, i), pass_dir, resume=(pass_dir / "run.json").exists())
+            if outcome.interrupted or outcome.failed:
+                raise SystemExit(f"{pass_dir}: interrupted or failed; run again to resume")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--traffic", default="heldout")
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--measure", action="store_true")
+    parser.add_argument("--out", type=Path, help="default: RESULTS/calibration")
+    parser.add_argument("--draws", type=int, default=5)
+    args = parser.parse_args()
+    out = (args.out or args.results / "calibration") / Path(args.traffic).stem
+    if args.measure:
+        measure(args.results, args.traffic, out, args.passes)
+    runs = [load_run(p) for p in sorted(out.glob("pass-*")) if pass_complete(p)]
+    if not runs:
+        raise SystemExit(f"{out}: no measured passes; run with --measure")
+    fit_run = load_run(args.results)
+    method = read_tuning(args.results / "tuned")["method"]
+    tables = {}
+    for label, calibrated in (("before", False), ("after", True)):
+        tables[label] = replay_vs_measured(fit_run, runs, calibrated=calibrated, method=method, draws=args.draws)
+    pd.set_option("display.width", 220)
+    for label, table in tables.items():
+        print(f"\n{label} calibration: replay fitted on {args.results.name}, traffic {args.traffic} ({len(runs)} measured passes)")
+        cols = ["server"] + [f"{m}_{k}" for m in ("ttft_ms", "tpot_ms", "e2e_ms") for k in ("measured", "predicted", "error")]
+        print(table[cols].to_string(index=False, float_format="%.3f"))
+    foreign = pd.concat([r.cells for r in runs])["foreign_cpu_cores"]
+    print(f"\nother work on the machine during the measured cells: mean {foreign.mean():.2f} cores, max {foreign.max():.2f}")
+    (out.parent / f"{out.name}.json").write_text(json.dumps({k: t.to_dict("records") for k, t in tables.items()}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
