@@ -14,6 +14,7 @@ sweep; spectune.calibration.compare_replay replays a measured run and sets the p
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 from dataclasses import dataclass
@@ -70,16 +71,65 @@ def step_frame(path: str | Path) -> pd.DataFrame:
     steps = pd.DataFrame(rows)
     if steps.empty:
         raise SpectuneError(f"{path}: no steps logged")
+    # A new engine (a restart, or the next server of a log that several appended to) numbers its requests from 0.
+    steps["epoch"] = ((steps["kind"] == "prefill") & steps["request_ids"].map(lambda ids: 0 in ids)).cumsum()
     nxt = steps["start_s"].shift(-1)
     # The engine idles only with nothing to run: before a prefill of requests that all reached it after this step
-    # ended, none running. A restart (a resumed sweep) starts the clock over: the next start is before this end.
+    # ended, none running.
     first_submit = steps["submitted_s"].shift(-1).map(lambda s: min(s) if isinstance(s, list) and s and None not in s else np.nan)
     idle = (steps["kind"].shift(-1) == "prefill") & (steps["num_running"].shift(-1) == 0) & ~(first_submit <= steps["end_s"])
+    idle |= steps["epoch"].shift(-1) != steps["epoch"]
     wall = (nxt - steps["start_s"]) * 1000.0
     steps["next_start_s"] = nxt
     steps["compute_ms"] = (steps["end_s"] - steps["start_s"]) * 1000.0
     steps["wall_ms"] = wall.where(~idle & (nxt >= steps["end_s"]))
+    steps["contiguous"], steps["num_finished_before"] = _slots(steps)
+    # Requests the server's event loop handed to the engine during the step: reading and tokenizing them holds the
+    # interpreter the engine's step needs (measured: about their own duration is added to the step).
+    submitted = np.sort(np.concatenate([np.asarray([t for t in s if t is not None], dtype=float)
+                                        for s in steps["submitted_s"] if isinstance(s, list)] or [np.zeros(0)]))
+    ends = steps["next_start_s"].fillna(steps["end_s"])
+    steps["num_intakes"] = np.searchsorted(submitted, ends.to_numpy(float)) - np.searchsorted(submitted, steps["start_s"].to_numpy(float))
     return steps
+
+
+def _slots(steps: pd.DataFrame) -> tuple[list[bool], list[int]]:
+    """Per step, replaying the scheduler's KV-cache slots (spectune.engine.scheduler: an admitted request takes the
+    lowest free slot, a finished one frees its slot after its last step): whether the batch's slots are one run
+    (the model then reads the cache through a view; else it gathers the rows, spectune.engine.model) and how many
+    requests finished at the step before."""
+    last: dict[tuple[int, int], int] = {}
+    for k, (epoch, ids) in enumerate(zip(steps["epoch"], steps["request_ids"])):
+        for i in ids:
+            last[(epoch, i)] = k
+    free: list[int] = []
+    fresh = 0
+    slot: dict[tuple[int, int], int] = {}
+    ending: dict[int, list[tuple[int, int]]] = {}
+    contiguous, finished = [], []
+    epoch_now = None
+    for k, (kind, epoch, ids) in enumerate(zip(steps["kind"], steps["epoch"], steps["request_ids"])):
+        if epoch != epoch_now:
+            free, fresh, slot, epoch_now = [], 0, {}, epoch
+        done = ending.pop(k, [])
+        for key in done:
+            heapq.heappush(free, slot.pop(key))
+        finished.append(len(done))
+        keys = [(epoch, i) for i in ids]
+        if kind == "prefill":
+            for key in keys:
+                if free and free[0] < fresh:
+                    slot[key] = heapq.heappop(free)
+                else:
+                    slot[key], fresh = fresh, fresh + 1
+            contiguous.append(True)
+        else:
+            taken = sorted(slot[key] for key in keys if key in slot)
+            contiguous.append(not taken or taken == list(range(taken[0], taken[0] + len(taken))))
+        for key in keys:
+            if last[key] == k:
+                ending.setdefault(k + 1, []).append(key)
+    return contiguous, finished
 
 
 def engine_requests(steps: pd.DataFrame) -> pd.DataFrame:
@@ -217,31 +267,62 @@ def in_windows(times: pd.Series, windows: list[tuple[float, float]]) -> pd.Serie
     return inside
 
 
-def fit_step_costs(steps: pd.DataFrame, batch_sizes) -> RoundCost:
-    """Decode wall per batch size and width (drafts verified per request) from steps of target-only and static
-    servers: the median wall at width 0 and per width >= 1, then a line in the width (a negative slope: flat, as
-    costmodel.fit_sweep). Batch sizes: `batch_sizes` and any other with MIN_STEPS steps at width 0 and at some width
-    >= 1 (closed-loop tails reach many)."""
+@dataclass(frozen=True, slots=True)
+class StepEffects:
+    """What else a decode step's wall depends on (ms), fitted by least squares with one fixed effect per (server,
+    batch size, width): gather per sequence of a batch not in one run of slots, per request taken in during the
+    step, per request finished at the step before."""
+
+    gather_ms_per_seq: float
+    intake_ms: float
+    finish_ms: float
+    steps: int
+
+
+def fit_step_effects(steps: pd.DataFrame) -> StepEffects:
+    """StepEffects from decode steps with a wall (columns of step_frame, plus server); groups with fewer than
+    MIN_STEPS steps are left out. A negative estimate (noise) is taken as 0."""
     decode = steps[(steps["kind"] == "decode") & steps["wall_ms"].notna()]
-    medians = decode.groupby(["batch_size", "width"])["wall_ms"].agg(["median", "size"])
-    medians = medians[medians["size"] >= MIN_STEPS]["median"]
+    group = decode["server"].astype(str) + "|" + decode["batch_size"].astype(str) + "|" + decode["width"].astype(str)
+    decode = decode[group.map(group.value_counts()) >= MIN_STEPS]
+    group = group[decode.index]
+    codes, _ = pd.factorize(group)
+    fixed = np.zeros((len(decode), codes.max() + 1))
+    fixed[np.arange(len(decode)), codes] = 1.0
+    effects = np.column_stack([decode["batch_size"] * ~decode["contiguous"].astype(bool), decode["num_intakes"], decode["num_finished_before"]])
+    coef, *_ = np.linalg.lstsq(np.column_stack([fixed, effects.astype(float)]), decode["wall_ms"].to_numpy(float), rcond=None)
+    gather, intake, finish = (max(0.0, float(c)) for c in coef[-3:])
+    return StepEffects(gather, intake, finish, len(decode))
+
+
+def fit_step_costs(steps: pd.DataFrame, batch_sizes) -> RoundCost:
+    """Decode wall per batch size from clean steps (slots in one run, no request taken in or finished around them;
+    StepEffects covers those) of target-only and static servers: target_ms = the median wall of steps that ran no
+    proposer; for steps that did, the median wall per width (drafts verified per request; 0 when no request was
+    offered any) and a line in the width: draft_fixed_ms = its intercept over target_ms (the proposer's own cost),
+    per_step_ms = its slope (a negative one: flat, as costmodel.fit_sweep). Batch sizes: those with MIN_STEPS clean
+    steps without a proposer and at two widths (or one, g >= 1) with it."""
+    decode = steps[(steps["kind"] == "decode") & steps["wall_ms"].notna()]
+    decode = decode[decode["contiguous"].astype(bool) & (decode["num_intakes"] == 0) & (decode["num_finished_before"] == 0)]
+    plain = decode[decode["num_steps"] == 0].groupby("batch_size")["wall_ms"].agg(["median", "size"])
+    plain = plain[plain["size"] >= MIN_STEPS]["median"]
+    spec = decode[decode["num_steps"] > 0].groupby(["batch_size", "width"])["wall_ms"].agg(["median", "size"])
+    spec = spec[spec["size"] >= MIN_STEPS]["median"]
     rows = []
-    for bs in sorted(set(medians.index.get_level_values(0))):
-        at = medians.loc[bs]
-        spec = at[at.index > 0]
-        if 0 not in at.index or spec.empty or (bs not in batch_sizes and len(spec) < 1):
-            continue
-        w, t, t0 = spec.index.to_numpy(float), spec.to_numpy(float), float(at[0])
+    for bs in sorted(set(plain.index) & set(spec.index.get_level_values(0))):
+        at = spec.loc[bs]
+        w, t, t0 = at.index.to_numpy(float), at.to_numpy(float), float(plain[bs])
         if len(w) >= 2 and (line := _line_fit(w, t))[1] >= 0:
             fixed, slope = line[0] - t0, line[1]
         elif len(w) >= 2:
             fixed, slope = float(t.mean()) - t0, 0.0
+        elif w[0] > 0:  # one width: no fixed cost can be told apart
+            fixed, slope = 0.0, max(0.0, float((t[0] - t0) / w[0]))
         else:
-            slope = max(0.0, float((t[0] - t0) / w[0]))
-            fixed = float(t[0]) - t0 - slope * w[0]
+            continue
         rows.append((int(bs), t0, float(fixed), float(slope)))
     if not rows:
-        raise SpectuneError(f"round logs: no batch size has {MIN_STEPS}+ decode steps both without and with drafts")
+        raise SpectuneError(f"round logs: no batch size has {MIN_STEPS}+ clean decode steps both without and with drafts")
     bss, target, fixed, per_step = zip(*rows)
     return RoundCost(batch_sizes=bss, target_ms=target, draft_fixed_ms=fixed, per_step_ms=per_step)
 
@@ -338,7 +419,7 @@ def calibrate(run, engine: str, method: str, batch_sizes) -> Calibration:
         raise SpectuneError(f"{run.root}: no round logs of target-only or static {method} servers")
     all_steps, joined, unmatched = [], [], 0
     for server in servers:
-        steps = step_frame(run.round_logs[server])
+        steps = step_frame(run.round_logs[server]).assign(server=server)
         mine = quiet[quiet["server"] == server]
         windows = cell_windows(run.requests, mine["cell"])
         all_steps.append(steps[in_windows(steps["start_s"], windows)])
@@ -350,8 +431,10 @@ def calibrate(run, engine: str, method: str, batch_sizes) -> Calibration:
     steps = pd.concat(all_steps, ignore_index=True)
     joined = pd.concat(joined, ignore_index=True)
     prefill_fixed, per_token = fit_prefill(steps)
+    effects = fit_step_effects(steps)
     cost = ServingCost(decode=fit_step_costs(steps, tuple(batch_sizes)), prefill_fixed_ms=prefill_fixed, prefill_per_token_ms=per_token,
-                       request_overhead_ms=max(MIN_REQUEST_OVERHEAD_MS, fit_intake(steps, joined)), source="step clocks")
+                       request_overhead_ms=max(MIN_REQUEST_OVERHEAD_MS, fit_intake(steps, joined)), source="step clocks",
+                       gather_ms_per_seq=effects.gather_ms_per_seq, intake_interference_ms=effects.intake_ms, finish_ms=effects.finish_ms)
     tags = {_prompt_key(r): r.tag for r in load_requests(run.manifest["plan"]["workload"])}
     spec = joined[joined["e_num_steps"].map(lambda s: bool(s) and max(s) > 0)]
     return Calibration(cost=cost, profiles=round_acceptance(spec, tags), cells_used=len(quiet),

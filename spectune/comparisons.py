@@ -196,7 +196,7 @@ def proxy_rounds(bench: Bench, tuned: AdaptiveConfig):
     parts = []
     if bench.replay is None:
         for k, t in enumerate(bench.traces):
-            parts.append(rounds_from_accepted(t.batch_sizes, t.accepted, None, bench.fit.cost.t_round, k, bench.horizon, latency))
+            parts.append(rounds_from_accepted(t.batch_sizes, t.accepted, None, bench.fit.cost, k, bench.horizon, latency))
     else:
         for k, result in enumerate(bench.run(bench.adaptive(tuned)).values()):
             steps = result.steps[result.steps["kind"] == "decode"]
@@ -204,6 +204,6 @@ def proxy_rounds(bench: Bench, tuned: AdaptiveConfig):
             accepted = np.zeros((len(steps), int(sizes.max())), dtype=np.int64)
             for i, row in enumerate(steps["at_horizon"]):
                 accepted[i, : len(row)] = row
-            parts.append(rounds_from_accepted(sizes, accepted, steps["drafted"].to_numpy(bool), bench.replay.cost.decode.t_round, k,
+            parts.append(rounds_from_accepted(sizes, accepted, steps["drafted"].to_numpy(bool), bench.replay.cost.decode, k,
                                               bench.horizon))
     return concat_rounds(parts)

@@ -142,6 +142,15 @@ class RoundCost:
         t = target + np.where(g > 0, draft, 0.0)
         return float(t) if t.ndim == 0 else t
 
+    def t_speculative(self, batch_size, width):
+        """ms for a round that ran the proposer and verified `width` drafts per request (0 when none offered any:
+        the proposer's fixed cost is still paid)."""
+        bs = np.asarray(batch_size, dtype=float)
+        w = np.asarray(width, dtype=float)
+        t = (np.interp(bs, self.batch_sizes, self.target_ms) + np.interp(bs, self.batch_sizes, self.draft_fixed_ms)
+             + np.interp(bs, self.batch_sizes, self.per_step_ms) * w)
+        return float(t) if t.ndim == 0 else t
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class CostFit:
@@ -458,6 +467,13 @@ class ServingCost:
     request_overhead_ms: float
     # How the replay was fitted: "round-log gaps" (older logs) or "step clocks" (spectune.calibration)
     source: str = "round-log gaps"
+    # Terms the step clocks reveal (spectune.calibration; 0 = not modelled): a decode step whose sequences do not
+    # sit in one run of KV-cache slots gathers their cache rows (ms per sequence); a request the server takes in
+    # while a step runs holds the interpreter the step needs (ms per request); a request that finished at the step
+    # before costs the next step its stream's end (ms per request).
+    gather_ms_per_seq: float = 0.0
+    intake_interference_ms: float = 0.0
+    finish_ms: float = 0.0
 
     def t_prefill(self, prompt_tokens: Sequence[int]) -> float:
         return self.prefill_fixed_ms + self.prefill_per_token_ms * len(prompt_tokens) * max(prompt_tokens)

@@ -72,11 +72,11 @@ class Rounds:
         return int(self.run.max()) + 1
 
 
-def rounds_from_accepted(batch_sizes: np.ndarray, accepted: np.ndarray, any_drafted: np.ndarray | None, t_round, run: int,
+def rounds_from_accepted(batch_sizes: np.ndarray, accepted: np.ndarray, any_drafted: np.ndarray | None, cost, run: int,
                          horizon: int, latency: bool = False) -> Rounds:
     """One run's rounds from per-round accepted drafts at the horizon ([R, B], zero-padded past each round's batch
-    size) and whether any request of the round drafted at all ([R] bool, None: all did): a round where none drafted
-    verifies no drafts (t_round at width 0)."""
+    size) and whether any request of the round drafted at all ([R] bool, None: all did), on a RoundCost: a round
+    where none drafted runs the proposer and verifies no drafts (cost.t_speculative at width 0)."""
     from spectune.simulate import WINDOW_ROUNDS
 
     g = np.arange(horizon + 1)
@@ -86,7 +86,7 @@ def rounds_from_accepted(batch_sizes: np.ndarray, accepted: np.ndarray, any_draf
     obs = took.sum(axis=1) / batch_sizes[:, None]
     any_drafted = np.ones(len(batch_sizes), dtype=bool) if any_drafted is None else any_drafted
     width = np.where(any_drafted[:, None], g[None, :], 0)
-    ms = np.asarray(t_round(batch_sizes[:, None], width), dtype=float)
+    ms = np.where(g[None, :] == 0, cost.t_round(batch_sizes[:, None], 0 * g[None, :]), cost.t_speculative(batch_sizes[:, None], width))
     if latency:
         ms = ms * batch_sizes[:, None]
     n = len(batch_sizes)

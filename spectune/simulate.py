@@ -468,14 +468,27 @@ def simulate_requests(
     inbox: deque[int] = deque()  # sent, not yet taken in by the engine
     waiting: deque[int] = deque()
     running: list[int] = []
-    steps: list[tuple[float, str, int, int, int, float]] = []
-    next_send, done, t = 0, 0, 0.0
+    steps: list[tuple] = []
+    free_slots = list(range(max_num_seqs))  # heap: the scheduler hands out the lowest free KV-cache slot
+    slot = np.zeros(n, dtype=np.int64)
+    next_send, done, t, just_finished = 0, 0, 0.0, 0
 
     def end(i: int) -> None:
+        nonlocal just_finished
         finish[i] = t
         running.remove(i)
+        heapq.heappush(free_slots, int(slot[i]))
+        just_finished += 1
         if client_free is not None:
             heapq.heappush(client_free, t)
+
+    def wall(start: float, ms: float) -> float:
+        """A step's end: its own cost, the stream ends of the requests finished at the step before, and every request
+        the server takes in meanwhile (ServingCost)."""
+        ms += cost.finish_ms * just_finished
+        if cost.intake_interference_ms:
+            ms += cost.intake_interference_ms * sum(1 for i in inbox if start < ready[i] <= start + ms)
+        return start + ms
 
     while done < n:
         while next_send < n and (client_free is None or client_free):  # the client sends all it may by now
@@ -497,7 +510,10 @@ def simulate_requests(
             budget -= prompt[admitted[-1]]
             running.append(admitted[-1])
         if admitted:
-            t += cost.t_prefill(prompt[admitted].tolist())
+            for i in admitted:
+                slot[i] = heapq.heappop(free_slots)
+            t = wall(start, cost.t_prefill(prompt[admitted].tolist()))
+            just_finished = 0
             first[admitted] = t
             generated[admitted] = 1
             steps.append((start, "prefill", len(admitted), 0, len(admitted), t - start, (), False))
@@ -513,7 +529,13 @@ def simulate_requests(
         g = live.choose(at_horizon, remaining)
         accepted = np.minimum(at_horizon, g)
         gained = np.minimum(accepted + 1, remaining)
-        t += cost.decode.t_round(len(batch), g if drafted else 0)  # the engine verifies as many drafts as were offered
+        # The engine verifies as many drafts as were offered, and reads the KV cache through a view only when the
+        # batch's slots are one run (else it gathers the rows).
+        ms = cost.decode.t_round(len(batch), 0) if g == 0 else cost.decode.t_speculative(len(batch), g if drafted else 0)
+        if np.ptp(slot[batch]) + 1 != len(batch):
+            ms += cost.gather_ms_per_seq * len(batch)
+        t = wall(start, ms)
+        just_finished = 0
         generated[batch] += gained
         rounds[batch] += 1
         live.feedback(accepted.tolist(), len(batch))

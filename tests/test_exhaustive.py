@@ -13,6 +13,7 @@ import pytest
 
 from spectune.adaptive import AdaptiveConfig, SlotState
 from spectune.comparisons import compare, proxy_rounds
+from spectune.costmodel import RoundCost
 from spectune.exhaustive import (
     CONTINUOUS,
     Rounds,
@@ -36,8 +37,9 @@ def _random_rounds(seed: int, num_rounds: int = 300, horizon: int = 5) -> tuple[
     rng = np.random.default_rng(seed)
     sizes = rng.integers(1, 9, num_rounds)
     accepted = rng.integers(0, horizon + 1, (num_rounds, 8)) * (rng.random((num_rounds, 8)) < 0.6)
-    first = rounds_from_accepted(sizes[:200], accepted[:200], None, lambda b, g: 1.0 + b + g, 0, horizon)
-    second = rounds_from_accepted(sizes[200:], accepted[200:], None, lambda b, g: 1.0 + b + g, 1, horizon)
+    cost = RoundCost(batch_sizes=(1, 8), target_ms=(2.0, 9.0), draft_fixed_ms=(0.5, 1.0), per_step_ms=(0.2, 1.5))
+    first = rounds_from_accepted(sizes[:200], accepted[:200], None, cost, 0, horizon)
+    second = rounds_from_accepted(sizes[200:], accepted[200:], None, cost, 1, horizon)
     return Rounds(*(np.concatenate([getattr(first, f), getattr(second, f)]) for f in ("batch_size", "tokens", "ms", "obs", "run", "window"))), accepted
 
 
