@@ -327,18 +327,20 @@ def fit_step_costs(steps: pd.DataFrame, batch_sizes) -> RoundCost:
     return RoundCost(batch_sizes=bss, target_ms=target, draft_fixed_ms=fixed, per_step_ms=per_step)
 
 
-def fit_prefill(steps: pd.DataFrame) -> tuple[float, float]:
-    """Prefill wall = fixed + per_token x padded tokens: a line through the compute of every prefill step (exact
-    even when the engine idled before it) plus the median hand-out time after a prefill (wall - compute)."""
+def fit_prefill(steps: pd.DataFrame) -> tuple[float, float, float]:
+    """Prefill wall = fixed + per_token x padded tokens + per_intake x requests taken in meanwhile: least squares
+    on the compute of every prefill step (exact even when the engine idled before it), plus the median hand-out time
+    after a prefill (wall - compute). Returns (fixed, per_token, per_intake)."""
     prefill = steps[steps["kind"] == "prefill"]
     if len(prefill) < 3:
         raise SpectuneError("round logs: fewer than 3 prefill steps logged")
-    x, y = prefill["padded_tokens"].to_numpy(float), prefill["compute_ms"].to_numpy(float)
-    fixed, per_token = _line_fit(x, y)[:2]
+    X = np.column_stack([np.ones(len(prefill)), prefill["padded_tokens"], prefill["num_intakes"]]).astype(float)
+    fixed, per_token, per_intake = np.linalg.lstsq(X, prefill["compute_ms"].to_numpy(float), rcond=None)[0]
     if fixed < 0:
-        fixed, per_token = 0.0, float(x @ y / (x @ x))
+        fixed = 0.0
+        per_token, per_intake = np.linalg.lstsq(X[:, 1:], prefill["compute_ms"].to_numpy(float), rcond=None)[0]
     post = (prefill["wall_ms"] - prefill["compute_ms"]).dropna()
-    return float(fixed + (post.median() if not post.empty else 0.0)), float(per_token)
+    return float(fixed + (post.median() if not post.empty else 0.0)), float(per_token), max(0.0, float(per_intake))
 
 
 def fit_intake(steps: pd.DataFrame, requests: pd.DataFrame) -> float:
@@ -430,11 +432,12 @@ def calibrate(run, engine: str, method: str, batch_sizes) -> Calibration:
             joined.append(j)
     steps = pd.concat(all_steps, ignore_index=True)
     joined = pd.concat(joined, ignore_index=True)
-    prefill_fixed, per_token = fit_prefill(steps)
+    prefill_fixed, per_token, prefill_intake = fit_prefill(steps)
     effects = fit_step_effects(steps)
     cost = ServingCost(decode=fit_step_costs(steps, tuple(batch_sizes)), prefill_fixed_ms=prefill_fixed, prefill_per_token_ms=per_token,
                        request_overhead_ms=max(MIN_REQUEST_OVERHEAD_MS, fit_intake(steps, joined)), source="step clocks",
-                       gather_ms_per_seq=effects.gather_ms_per_seq, intake_interference_ms=effects.intake_ms, finish_ms=effects.finish_ms)
+                       gather_ms_per_seq=effects.gather_ms_per_seq, intake_interference_ms=effects.intake_ms,
+                       prefill_intake_ms=prefill_intake, finish_ms=effects.finish_ms)
     tags = {_prompt_key(r): r.tag for r in load_requests(run.manifest["plan"]["workload"])}
     spec = joined[joined["e_num_steps"].map(lambda s: bool(s) and max(s) > 0)]
     return Calibration(cost=cost, profiles=round_acceptance(spec, tags), cells_used=len(quiet),

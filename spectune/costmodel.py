@@ -472,7 +472,8 @@ class ServingCost:
     # while a step runs holds the interpreter the step needs (ms per request); a request that finished at the step
     # before costs the next step its stream's end (ms per request).
     gather_ms_per_seq: float = 0.0
-    intake_interference_ms: float = 0.0
+    intake_interference_ms: float = 0.0  # during a decode step
+    prefill_intake_ms: float = 0.0  # during a prefill step (mostly tensor work that leaves the interpreter free)
     finish_ms: float = 0.0
 
     def t_prefill(self, prompt_tokens: Sequence[int]) -> float:

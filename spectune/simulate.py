@@ -482,12 +482,12 @@ def simulate_requests(
         if client_free is not None:
             heapq.heappush(client_free, t)
 
-    def wall(start: float, ms: float) -> float:
+    def wall(start: float, ms: float, per_intake: float) -> float:
         """A step's end: its own cost, the stream ends of the requests finished at the step before, and every request
         the server takes in meanwhile (ServingCost)."""
         ms += cost.finish_ms * just_finished
-        if cost.intake_interference_ms:
-            ms += cost.intake_interference_ms * sum(1 for i in inbox if start < ready[i] <= start + ms)
+        if per_intake:
+            ms += per_intake * sum(1 for i in inbox if start < ready[i] <= start + ms)
         return start + ms
 
     while done < n:
@@ -512,7 +512,7 @@ def simulate_requests(
         if admitted:
             for i in admitted:
                 slot[i] = heapq.heappop(free_slots)
-            t = wall(start, cost.t_prefill(prompt[admitted].tolist()))
+            t = wall(start, cost.t_prefill(prompt[admitted].tolist()), cost.prefill_intake_ms)
             just_finished = 0
             first[admitted] = t
             generated[admitted] = 1
@@ -534,7 +534,7 @@ def simulate_requests(
         ms = cost.decode.t_round(len(batch), 0) if g == 0 else cost.decode.t_speculative(len(batch), g if drafted else 0)
         if np.ptp(slot[batch]) + 1 != len(batch):
             ms += cost.gather_ms_per_seq * len(batch)
-        t = wall(start, ms)
+        t = wall(start, ms, cost.intake_interference_ms)
         just_finished = 0
         generated[batch] += gained
         rounds[batch] += 1
