@@ -71,17 +71,19 @@ BOOTSTRAP_RESAMPLES = 1000  # window resamples for a trace bench's
 
 def simulated_verdict(bench: Bench, tuned: AdaptiveConfig, best_g: int, seed: int) -> dict[str, object]:
     """tuning.json "verdict" before any measurement: the tuned config against SGLang's default and the best static
-    g on the bench, with the uncertainty the simulation itself has: over VERDICT_DRAWS fresh acceptance draws of a
-    replay (t-interval of the per-draw log-ratios), or over windows of the traces (paired bootstrap). It says
-    nothing of the simulator's own error: `spectune confirm` measures."""
+    g (g = 0, target-only, included) on the bench, with the uncertainty the simulation itself has: over
+    VERDICT_DRAWS fresh acceptance draws of a replay (t-interval of the per-draw log-ratios), or over windows of the
+    traces (paired bootstrap). It says nothing of the simulator's own error: `spectune confirm` measures."""
     import numpy as np
 
-    from spectune.confirm import COMPARED, DEFAULT, METRICS, STATIC, Difference, difference, to_pct, verdict_text
+    from spectune.confirm import COMPARED, DEFAULT, METRICS, STATIC, TARGET, Difference, difference, to_pct, verdict_text
 
     metric, higher, words = METRICS[bench.objective]
     policies = {"tuned": bench.adaptive(tuned, "tuned_adaptive"), DEFAULT: bench.adaptive(PRESETS["sglang_default"], "sglang_default"),
                 STATIC: StaticPolicy(best_g)}
-    labels = {DEFAULT: COMPARED[DEFAULT], STATIC: f"the best static g={best_g}"}
+    if best_g == 0:  # the best static config is target-only
+        policies = {TARGET if k == STATIC else k: v for k, v in policies.items()}
+    labels = {DEFAULT: COMPARED[DEFAULT], (TARGET if best_g == 0 else STATIC): COMPARED[TARGET if best_g == 0 else STATIC]}
     if bench.replay is not None:
         from spectune.simulate import draw_acceptance, simulate_requests
 
@@ -110,7 +112,7 @@ def simulated_verdict(bench: Bench, tuned: AdaptiveConfig, best_g: int, seed: in
         diffs = tuple(Difference(c, labels[c], len(bench.traces), pct(point[c]), pct(np.percentile(boot[c], 2.5)),
                                  pct(np.percentile(boot[c], 97.5)), 0.95) for c in labels)
         how = f"{BOOTSTRAP_RESAMPLES} window resamples of {len(bench.traces)} traces"
-    text = verdict_text(diffs, words, 0, "simulated", False).rsplit(" (", 1)[0]
+    text = verdict_text(diffs, words, 0, "simulated", False, best_g or None).rsplit(" (", 1)[0]
     return {"text": f"{text} (simulated over {how}; not measured: run spectune confirm RESULTS)", "source": "simulated",
             "objective": bench.objective, "metric": metric, "uncertainty": how,
             "comparisons": [{"name": d.name, "label": d.label, "mean_pct": d.mean_pct, "lo_pct": d.lo_pct, "hi_pct": d.hi_pct,

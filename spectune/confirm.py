@@ -49,7 +49,9 @@ METRICS = {
     "e2e": ("e2e_ms_mean", False, "mean e2e latency"),
 }
 TUNED, DEFAULT, STATIC, TARGET = "tuned", "sglang-default", "static", "target"
-COMPARED = {DEFAULT: "SGLang's default", STATIC: "the best static g"}  # what the tuned server is compared with
+# What the tuned server is compared with. The best static config is whichever of the best speculative static g and
+# target-only (g = 0) measured better: the verdict names it, and the rule waits for all three.
+COMPARED = {DEFAULT: "SGLang's default", STATIC: "the best speculative static g", TARGET: "target-only"}
 
 
 # --- statistics -----------------------------------------------------------------------------------------------
@@ -186,9 +188,19 @@ def decide(gains: pd.DataFrame, labels: dict[str, str], higher_is_better: bool, 
     return Decision(stop=stop, look=looks.index(n) + 1 if is_look else None, differences=diffs)
 
 
-def verdict_text(diffs: tuple[Difference, ...], metric_words: str, passes: int, source: str, capped: bool) -> str:
-    """One sentence a user can act on."""
-    body = " and ".join(d.words() for d in diffs)
+def verdict_text(diffs: tuple[Difference, ...], metric_words: str, passes: int, source: str, capped: bool,
+                 static_steps: int | None = None) -> str:
+    """One sentence a user can act on: the tuned config against SGLang's default and against the best static config
+    (of the static comparisons, the one the tuned config did least well against)."""
+    by_name = {d.name: d for d in diffs}
+    shown = [by_name[DEFAULT]] if DEFAULT in by_name else []
+    statics = [by_name[c] for c in (STATIC, TARGET) if c in by_name]
+    if statics:
+        best = min(statics, key=lambda d: d.mean_pct)
+        what = "target-only, g=0" if best.name == TARGET else f"static g={static_steps}" if static_steps is not None else "static"
+        shown.append(Difference(best.name, f"the best static config ({what})", best.passes, best.mean_pct, best.lo_pct, best.hi_pct,
+                                best.level))
+    body = " and ".join(d.words() for d in shown)
     tail = f"{source}, {passes} paired passes" + (", stopped at the cap" if capped else "")
     return f"tuned adaptive on {metric_words}: {body} ({tail})"
 
@@ -366,7 +378,7 @@ def measured_verdict(decision: Decision, passes: int, words: str, metric: str, o
     capped = decision.stop and not all(d.settled for d in decision.differences)
     means = table.groupby("role")["value"].mean()
     return {
-        "text": verdict_text(decision.differences, words, passes, "measured", capped),
+        "text": verdict_text(decision.differences, words, passes, "measured", capped, _static_steps(servers)),
         "source": "measured",
         "objective": objective,
         "metric": metric,
@@ -386,6 +398,10 @@ def measured_verdict(decision: Decision, passes: int, words: str, metric: str, o
         "servers": [s["name"] for s in servers],
         "confirm_dir": str(out),
     }
+
+
+def _static_steps(servers: list[dict]) -> int | None:
+    return next((int(s["num_speculative_tokens"]) for s in servers if s["name"].startswith(STATIC + "-g")), None)
 
 
 def _finite(x: float) -> float | None:

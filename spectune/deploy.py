@@ -74,8 +74,7 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
 def assess(bench: Bench, tuned: AdaptiveConfig, summary: pd.DataFrame, policies: dict, options: TuneOptions) -> dict[str, object]:
     """tuning.json "verdict" (simulated, until `spectune confirm` measures; a measured one already there is kept
     when the tuned config did not change) and "exhaustive"."""
-    speculative = {int(g): s for g, s in policies["static_speedups"].items() if int(g) > 0}
-    verdict = simulated_verdict(bench, tuned, max(speculative, key=speculative.get), options.seed)
+    verdict = simulated_verdict(bench, tuned, int(policies["best_static"]["steps"]), options.seed)
     previous = _previous(options, "verdict")
     if previous and previous.get("source") == "measured" and _previous(options, "policies", {}).get("tuned_adaptive") == tuned.to_dict():
         verdict = previous

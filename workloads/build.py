@@ -47,11 +47,10 @@ POISSON_SETS = {
     # The phase set's kinds in another order and arrival process: traffic the replay is checked on, never fitted on.
     "heldout": (("random", 12, 4.0, 48), ("code", 24, 12.0, 48), ("quote", 32, 24.0, 48), ("random", 24, 16.0, 48),
                 ("quote", 12, 3.0, 48), ("code", 16, 8.0, 48)),
-    # Where the step policy matters: long phases of copying (n-gram drafts nearly all accepted) and of random words
-    # (drafts mostly wasted), each at a high and a low request rate, so the best g moves with the phase and with the
-    # batch size, and a policy has time to follow it.
-    "shift": (("quote", 64, 40.0, 48), ("random", 64, 40.0, 48), ("quote", 24, 2.5, 48), ("random", 24, 2.5, 48),
-              ("quote", 64, 40.0, 48), ("random", 64, 40.0, 48)),
+    # Where the step policy matters: long phases of random words at a high request rate (batches of 8-16, where n-gram
+    # drafts cost more to verify than they bring) and of copying at a moderate rate (batches of 1-8, drafts nearly
+    # all accepted), so the best g moves with the phase and the batch size, and a policy has time to follow it.
+    "shift": (("random", 80, 40.0, 48), ("quote", 64, 8.0, 48), ("random", 80, 40.0, 48), ("quote", 64, 8.0, 48)),
 }
 
 
