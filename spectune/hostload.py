@@ -15,21 +15,24 @@ def _busy_s() -> float:
 
 
 def _tree_cpu_s(pids: list[int | None]) -> float:
-    total = 0.0
+    """CPU seconds of the processes `pids` and their descendants, each process once (a server is often a child of
+    the process that measures it)."""
+    procs: dict[int, psutil.Process] = {}
     for pid in pids:
         if pid is None:
             continue
         try:
             root = psutil.Process(pid)
-            procs = [root, *root.children(recursive=True)]
+            procs |= {p.pid: p for p in [root, *root.children(recursive=True)]}
         except psutil.Error:
             continue
-        for p in procs:
-            try:
-                c = p.cpu_times()
-                total += c.user + c.system
-            except psutil.Error:
-                pass
+    total = 0.0
+    for p in procs.values():
+        try:
+            c = p.cpu_times()
+            total += c.user + c.system
+        except psutil.Error:
+            pass
     return total
 
 
