@@ -144,17 +144,25 @@ class Difference:
         return self.excludes_zero or self.width_pct < NARROW_PCT
 
     def words(self) -> str:
-        interval = f"{abs(self.mean_pct):.1f}% [{self.lo_pct:.1f}, {self.hi_pct:.1f}]"
+        lo, hi = _shown(self.lo_pct), _shown(self.hi_pct)
         if self.lo_pct > 0:
-            return f"better than {self.label} by {interval}"
+            return f"better than {self.label} by {abs(self.mean_pct):.1f}% [{lo}, {hi}]"
         if self.hi_pct < 0:
-            return f"worse than {self.label} by {abs(self.mean_pct):.1f}% [{-self.hi_pct:.1f}, {-self.lo_pct:.1f}]"
-        return f"not distinguishable from {self.label} on this traffic ({self.mean_pct:+.1f}% [{self.lo_pct:.1f}, {self.hi_pct:.1f}])"
+            return f"worse than {self.label} by {abs(self.mean_pct):.1f}% [{_shown(-self.hi_pct)}, {_shown(-self.lo_pct)}]"
+        return f"not distinguishable from {self.label} on this traffic ({self.mean_pct:+.1f}% [{lo}, {hi}])"
+
+
+def _shown(pct: float) -> str:
+    """A bound for print; beyond +-999% an interval says nothing more."""
+    return f"{pct:.1f}" if abs(pct) < 999 else ("<-999" if pct < 0 else ">999")
 
 
 def to_pct(gain: float, higher_is_better: bool) -> float:
-    """A log-ratio gain as the metric's relative improvement in %: tokens/s up by e^g - 1, latency down by 1 - e^-g."""
-    return 100.0 * (math.expm1(gain) if higher_is_better else -math.expm1(-gain))
+    """A log-ratio gain as the metric's relative improvement in %: tokens/s up by e^g - 1, latency down by 1 - e^-g
+    (an interval too wide to mean anything reaches +-inf)."""
+    g = gain if higher_is_better else -gain
+    value = math.expm1(g) if g < 700 else math.inf
+    return 100.0 * (value if higher_is_better else -value)
 
 
 def difference(name: str, label: str, gains: np.ndarray, level: float, higher_is_better: bool) -> Difference:
@@ -162,7 +170,7 @@ def difference(name: str, label: str, gains: np.ndarray, level: float, higher_is
     n = len(gains)
     mean = float(np.mean(gains))
     half = t_quantile(1 - (1 - level) / 2, n - 1) * float(np.std(gains, ddof=1)) / math.sqrt(n) if n > 1 else math.inf
-    pct = lambda g: to_pct(g, higher_is_better) if math.isfinite(g) else math.copysign(math.inf, g)
+    pct = lambda g: to_pct(g, higher_is_better) if math.isfinite(g) else to_pct(math.copysign(1e9, g), higher_is_better)
     return Difference(name, label, n, pct(mean), pct(mean - half), pct(mean + half), level)
 
 
@@ -216,6 +224,7 @@ class ConfirmOptions:
     max_passes: int = DEFAULT_MAX_PASSES
     min_passes: int = DEFAULT_MIN_PASSES
     run_passes: int | None = None  # run at most this many passes now (resume later); None = until the rule stops
+    max_foreign_cores: float = 0.5  # a pass during which other work used more of the machine (mean over its cells) is not counted
     batch_sizes: tuple[int, ...] | None = None  # closed-loop objectives: a subset of the sweep's batch sizes
 
 
@@ -240,7 +249,7 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
     look_schedule(options.min_passes, options.max_passes)  # bad bounds fail before anything runs
     out.mkdir(parents=True, exist_ok=True)
     ran, decision, table = 0, None, pd.DataFrame()
-    for i in range(options.max_passes):
+    for i in range(2 * options.max_passes):  # disturbed passes are run again, up to as many more attempts
         pass_dir = out / f"pass-{i + 1:02d}"
         if not pass_complete(pass_dir):
             if options.run_passes is not None and ran >= options.run_passes:
@@ -253,13 +262,15 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
                 raise KeyboardInterrupt
             if outcome.failed:
                 raise SpectuneError(f"{pass_dir}: {outcome.failed} cell(s) failed; their causes are in {pass_dir}/cells/*.json")
-        table = pass_table(out, i + 1, metric)
-        gains = pass_gains(table, higher)
+        table = pass_table(out, i + 1, metric, options.max_foreign_cores)
+        if not table.empty and table.loc[table["pass"] == i + 1, "disturbed"].any():
+            log(f"pass {i + 1}: other work used more than {options.max_foreign_cores:g} cores of this machine; not counted, run again")
+        gains = pass_gains(table[~table["disturbed"]], higher) if not table.empty else pass_gains(table, higher)
         if len(gains) >= 2:
             decision = decide(gains, COMPARED, higher, options.min_passes, options.max_passes)
             if decision.stop:
                 break
-    n = table["pass"].nunique() if not table.empty else 0
+    n = len(gains) if decision is not None else 0
     verdict = None
     if decision is not None:
         verdict = measured_verdict(decision, n, words, metric, objective, options, servers, out, table)
@@ -338,8 +349,10 @@ def pass_complete(pass_dir: Path) -> bool:
     return path.exists() and json.loads(path.read_text()).get("status") == "complete"
 
 
-def pass_table(out: Path, num_passes: int, metric: str) -> pd.DataFrame:
-    """One row per finished pass, server and batch size: the metric (role: tuned, sglang-default, static, target)."""
+def pass_table(out: Path, num_passes: int, metric: str, max_foreign_cores: float = math.inf) -> pd.DataFrame:
+    """One row per finished pass, server and batch size: the metric (role: tuned, sglang-default, static, target), the
+    cores other work used meanwhile, and whether the pass as a whole was disturbed (mean over its cells above
+    max_foreign_cores; such a pass is not counted)."""
     from spectune.store import load_run
 
     frames = []
@@ -353,10 +366,12 @@ def pass_table(out: Path, num_passes: int, metric: str) -> pd.DataFrame:
                                     "batch_size": cells["batch_size"], "value": cells[metric],
                                     "traffic_digest": cells["traffic_digest"],
                                     "foreign_cpu_cores": cells.get("foreign_cpu_cores", pd.Series(np.nan, index=cells.index))}))
-    table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["pass", "server", "role", "batch_size", "value"])
+    table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["pass", "server", "role", "batch_size", "value",
+                                                                                       "foreign_cpu_cores"])
     if not table.empty and table.groupby("batch_size")["traffic_digest"].nunique().max() > 1:
         raise SpectuneError(f"{out}: the passes sent different traffic (traffic digests differ); start over with a new --out")
-    return table
+    load = table.groupby("pass")["foreign_cpu_cores"].transform("mean")
+    return table.assign(disturbed=(load > max_foreign_cores).to_numpy(bool))
 
 
 def _role(server: str) -> str:
@@ -376,6 +391,8 @@ def pass_gains(table: pd.DataFrame, higher_is_better: bool) -> pd.DataFrame:
 def measured_verdict(decision: Decision, passes: int, words: str, metric: str, objective: str, options: ConfirmOptions,
                      servers: list[dict], out: Path, table: pd.DataFrame) -> dict:
     capped = decision.stop and not all(d.settled for d in decision.differences)
+    disturbed = sorted(int(p) for p in table.loc[table["disturbed"], "pass"].unique())
+    table = table[~table["disturbed"]]
     means = table.groupby("role")["value"].mean()
     return {
         "text": verdict_text(decision.differences, words, passes, "measured", capped, _static_steps(servers)),
@@ -385,7 +402,7 @@ def measured_verdict(decision: Decision, passes: int, words: str, metric: str, o
         "passes": passes,
         "finished": decision.stop,
         "stopped_by": ("cap" if capped else "rule") if decision.stop else None,
-        "comparisons": [{"name": d.name, "label": d.label, "mean_pct": d.mean_pct, "lo_pct": d.lo_pct, "hi_pct": d.hi_pct,
+        "comparisons": [{"name": d.name, "label": d.label, "mean_pct": d.mean_pct, "lo_pct": _finite(d.lo_pct), "hi_pct": _finite(d.hi_pct),
                          "interval_level": d.level, "excludes_zero": d.excludes_zero, "settled": d.settled} for d in decision.differences],
         "mean_by_server": {role: float(v) for role, v in means.items()},
         "per_pass": table.pivot_table(index="pass", columns="role", values="value").reset_index().to_dict("records"),
@@ -394,7 +411,9 @@ def measured_verdict(decision: Decision, passes: int, words: str, metric: str, o
         "stopping_rule": (f"paired passes, server order rotated; looks at passes {list(look_schedule(options.min_passes, options.max_passes))} "
                           f"(cap {options.max_passes}); at each, the t-interval of the mean log-ratio at the level an O'Brien-Fleming-type "
                           f"alpha-spending function allows (overall {100 * (1 - ALPHA):.0f}%); stop when every interval excludes 0 or is "
-                          f"narrower than {NARROW_PCT:g} points"),
+                          f"narrower than {NARROW_PCT:g} points; a pass during which other work used more than "
+                          f"{options.max_foreign_cores:g} cores of the machine (mean over its cells) is run again, not counted"),
+        "passes_not_counted": disturbed,
         "servers": [s["name"] for s in servers],
         "confirm_dir": str(out),
     }
