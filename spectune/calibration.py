@@ -503,3 +503,33 @@ def replay_vs_measured(fit_run, measured_runs: list, calibrated: bool, method: s
                         f"{name}_measured_sd": float(mine[column].std(ddof=1)) if len(mine) > 1 else math.nan}
             rows.append(row)
     return pd.DataFrame(rows)
+
+
+def predicted_walls(steps: pd.DataFrame, cost: ServingCost) -> np.ndarray:
+    """What the replay charges for each logged step (step_frame rows) as the engine ran it: its batch, width, slots,
+    intakes and finishes. Beside the measured walls it says how fast the engine ran (speed_index)."""
+    decode = (steps["kind"] == "decode").to_numpy()
+    bs, width = steps["batch_size"].to_numpy(float), steps["width"].to_numpy(float)
+    plain = cost.decode.t_round(bs, np.zeros_like(bs))
+    spec = cost.decode.t_speculative(bs, width)
+    step = np.where(steps["num_steps"].to_numpy() > 0, spec, plain)
+    step += np.where(steps["contiguous"].to_numpy(bool), 0.0, cost.gather_ms_per_seq * bs)
+    step += cost.intake_interference_ms * steps["num_intakes"].to_numpy(float) + cost.finish_ms * steps["num_finished_before"].to_numpy(float)
+    prefill = np.array([cost.t_prefill(p) if p else np.nan for p in steps["prompt_tokens"]])
+    prefill += cost.prefill_intake_ms * steps["num_intakes"].to_numpy(float)
+    return np.where(decode, step, prefill)
+
+
+def speed_index(run, cost: ServingCost) -> pd.Series:
+    """Per cell of a run (index: cell id): the median over its steps of measured wall / predicted wall. About 1 on a
+    quiet machine; well above 1 when something else slowed the engine down (other work, a noisy neighbour of the
+    virtual machine), whatever policy the server ran, since each step is predicted as it was taken."""
+    out = {}
+    for server, path in run.round_logs.items():
+        steps = step_frame(path)
+        steps = steps[steps["wall_ms"].notna()]
+        ratio = steps["wall_ms"].to_numpy(float) / predicted_walls(steps, cost)
+        for cell in run.cells.loc[run.cells["server"] == server, "cell"]:
+            inside = in_windows(steps["start_s"], cell_windows(run.requests, pd.Series([cell]))).to_numpy()
+            out[cell] = float(np.nanmedian(ratio[inside])) if inside.any() else math.nan
+    return pd.Series(out, dtype=float)

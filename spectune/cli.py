@@ -123,7 +123,8 @@ def confirm(
     run_passes: Optional[int] = typer.Option(None, min=1, help="Run at most this many passes now; run again to continue."),
     batch_sizes: Optional[str] = typer.Option(None, help="Closed-loop objectives: confirm at these swept batch sizes only, e.g. 1,16."),
     tuned: Optional[Path] = typer.Option(None, help="The tune output to confirm (tuning.json, adaptive_spec.json). Default: <RESULTS>/tuned."),
-    max_foreign_cores: float = typer.Option(0.5, min=0.0, help="Run a pass again when other work used more cores of this machine during it."),
+    max_foreign_cores: float = typer.Option(0.3, min=0.0, help="Run a pass again when, in any cell, other work used more cores of this machine."),
+    max_slowdown: float = typer.Option(0.15, min=0.0, help="Run a pass again when, in any cell, the engine's steps ran this much slower than in the same server's median pass."),
     out: Optional[Path] = typer.Option(None, help="Passes directory. Default: <RESULTS>/confirm."),
 ) -> None:
     """Measure the tuned config against SGLang's default config, the best static g and target-only on the engine,
@@ -133,9 +134,10 @@ def confirm(
 
     outcome = run_confirm(ConfirmOptions(results_dir=results, tuned_dir=tuned, out_dir=out, max_passes=max_passes, min_passes=min_passes,
                                          run_passes=run_passes, batch_sizes=_ints(batch_sizes, "--batch-sizes"),
-                                         max_foreign_cores=max_foreign_cores), log=typer.echo)
+                                         max_foreign_cores=max_foreign_cores, max_slowdown=max_slowdown), log=typer.echo)
     if not outcome.finished:
-        typer.echo(f"{outcome.passes} passes so far; not settled yet. Continue with: spectune confirm {results}")
+        again = " ".join(sys.argv[1:]).replace(f"--run-passes {run_passes}", "").strip() if run_passes else " ".join(sys.argv[1:])
+        typer.echo(f"{outcome.passes} passes counted so far; not settled yet. Continue with: spectune {again}")
 
 
 # --- end model / tune / validate-config ---

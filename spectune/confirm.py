@@ -224,7 +224,8 @@ class ConfirmOptions:
     max_passes: int = DEFAULT_MAX_PASSES
     min_passes: int = DEFAULT_MIN_PASSES
     run_passes: int | None = None  # run at most this many passes now (resume later); None = until the rule stops
-    max_foreign_cores: float = 0.5  # a pass during which other work used more of the machine (mean over its cells) is not counted
+    max_foreign_cores: float = 0.3  # a pass in which any cell saw other work use more of the machine is not counted
+    max_slowdown: float = 0.15  # nor one in which any cell ran this much slower than the same server's median pass (speed index)
     batch_sizes: tuple[int, ...] | None = None  # closed-loop objectives: a subset of the sweep's batch sizes
 
 
@@ -245,7 +246,9 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
     tuning = read_tuning(tuned_dir)
     objective = tuning["objective"]
     metric, higher, words = METRICS[objective]
-    servers, raw = confirm_plan(load_run(options.results_dir).manifest, tuning, tuned_dir, out, options.batch_sizes)
+    sweep = load_run(options.results_dir)
+    servers, raw = confirm_plan(sweep.manifest, tuning, tuned_dir, out, options.batch_sizes)
+    cost = _step_cost(sweep, tuning)
     look_schedule(options.min_passes, options.max_passes)  # bad bounds fail before anything runs
     out.mkdir(parents=True, exist_ok=True)
     ran, decision, table = 0, None, pd.DataFrame()
@@ -262,9 +265,10 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
                 raise KeyboardInterrupt
             if outcome.failed:
                 raise SpectuneError(f"{pass_dir}: {outcome.failed} cell(s) failed; their causes are in {pass_dir}/cells/*.json")
-        table = pass_table(out, i + 1, metric, options.max_foreign_cores)
+        table = pass_table(out, i + 1, metric, options.max_foreign_cores, cost, options.max_slowdown)
         if not table.empty and table.loc[table["pass"] == i + 1, "disturbed"].any():
-            log(f"pass {i + 1}: other work used more than {options.max_foreign_cores:g} cores of this machine; not counted, run again")
+            log(f"pass {i + 1}: disturbed (other work on this machine, or the engine ran more than {options.max_slowdown:.0%} slower than "
+                "in the other passes); not counted, run again")
         gains = pass_gains(table[~table["disturbed"]], higher) if not table.empty else pass_gains(table, higher)
         if len(gains) >= 2:
             decision = decide(gains, COMPARED, higher, options.min_passes, options.max_passes)
@@ -349,10 +353,23 @@ def pass_complete(pass_dir: Path) -> bool:
     return path.exists() and json.loads(path.read_text()).get("status") == "complete"
 
 
-def pass_table(out: Path, num_passes: int, metric: str, max_foreign_cores: float = math.inf) -> pd.DataFrame:
+def _step_cost(sweep, tuning: dict):
+    """The tuning sweep's calibrated step costs, to tell how fast the engine ran in a pass (None without step clocks)."""
+    from spectune.calibration import calibrate, has_step_clocks
+
+    if tuning.get("engine") != "embedded" or not has_step_clocks(sweep):
+        return None
+    sizes = sorted(int(r["batch_size"]) for r in tuning.get("cost_fit", [])) or sweep.manifest["plan"]["batch_sizes"]
+    return calibrate(sweep, tuning["engine"], tuning["method"], tuple(sizes)).cost
+
+
+def pass_table(out: Path, num_passes: int, metric: str, max_foreign_cores: float = math.inf, cost=None,
+               max_slowdown: float = math.inf) -> pd.DataFrame:
     """One row per finished pass, server and batch size: the metric (role: tuned, sglang-default, static, target), the
-    cores other work used meanwhile, and whether the pass as a whole was disturbed (mean over its cells above
-    max_foreign_cores; such a pass is not counted)."""
+    cores other work used meanwhile, the engine's speed index (spectune.calibration.speed_index, with `cost`), and
+    whether the pass was disturbed: a cell above max_foreign_cores, or with a speed index more than max_slowdown
+    above the median of the same server and batch size over the passes. A disturbed pass is not counted."""
+    from spectune.calibration import speed_index
     from spectune.store import load_run
 
     frames = []
@@ -360,18 +377,23 @@ def pass_table(out: Path, num_passes: int, metric: str, max_foreign_cores: float
         pass_dir = out / f"pass-{i:02d}"
         if not pass_complete(pass_dir):
             continue
-        cells = load_run(pass_dir).cells
-        cells = cells[cells["status"] == "ok"]
+        run = load_run(pass_dir)
+        cells = run.cells[run.cells["status"] == "ok"]
+        speed = speed_index(run, cost).reindex(cells["cell"]).to_numpy() if cost is not None else np.full(len(cells), np.nan)
         frames.append(pd.DataFrame({"pass": i, "server": cells["server"], "role": cells["server"].map(_role),
                                     "batch_size": cells["batch_size"], "value": cells[metric],
                                     "traffic_digest": cells["traffic_digest"],
-                                    "foreign_cpu_cores": cells.get("foreign_cpu_cores", pd.Series(np.nan, index=cells.index))}))
+                                    "foreign_cpu_cores": cells.get("foreign_cpu_cores", pd.Series(np.nan, index=cells.index)),
+                                    "speed_index": speed}))
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["pass", "server", "role", "batch_size", "value",
-                                                                                       "foreign_cpu_cores"])
+                                                                                       "foreign_cpu_cores", "speed_index"])
     if not table.empty and table.groupby("batch_size")["traffic_digest"].nunique().max() > 1:
         raise SpectuneError(f"{out}: the passes sent different traffic (traffic digests differ); start over with a new --out")
-    load = table.groupby("pass")["foreign_cpu_cores"].transform("mean")
-    return table.assign(disturbed=(load > max_foreign_cores).to_numpy(bool))
+    if table.empty:
+        return table.assign(speed_index=np.nan, disturbed=False)
+    typical = table.groupby(["server", "batch_size"])["speed_index"].transform("median")
+    bad = (table["foreign_cpu_cores"] > max_foreign_cores) | (table["speed_index"] > typical * (1 + max_slowdown))
+    return table.assign(disturbed=bad.groupby(table["pass"]).transform("any").to_numpy(bool))
 
 
 def _role(server: str) -> str:
@@ -411,8 +433,9 @@ def measured_verdict(decision: Decision, passes: int, words: str, metric: str, o
         "stopping_rule": (f"paired passes, server order rotated; looks at passes {list(look_schedule(options.min_passes, options.max_passes))} "
                           f"(cap {options.max_passes}); at each, the t-interval of the mean log-ratio at the level an O'Brien-Fleming-type "
                           f"alpha-spending function allows (overall {100 * (1 - ALPHA):.0f}%); stop when every interval excludes 0 or is "
-                          f"narrower than {NARROW_PCT:g} points; a pass during which other work used more than "
-                          f"{options.max_foreign_cores:g} cores of the machine (mean over its cells) is run again, not counted"),
+                          f"narrower than {NARROW_PCT:g} points; a pass is run again, not counted, when in any cell other work used "
+                          f"more than {options.max_foreign_cores:g} cores of the machine or the engine's steps ran more than "
+                          f"{options.max_slowdown:.0%} slower (against the tuning sweep's step costs) than in the same server's median pass"),
         "passes_not_counted": disturbed,
         "servers": [s["name"] for s in servers],
         "confirm_dir": str(out),
