@@ -11,7 +11,9 @@ replayed with the replay fitted on RESULTS two ways:
 - before: the fit of spectune 0.x before calibration (step costs from round-log gaps at the swept batch sizes, a
   decode step charged its policy's g whatever was drafted, acceptance from the streamed chunks);
 - after: spectune.calibration (step clocks, verify width, the engine's own request-rounds with the drafted share).
-Prints predicted vs measured mean TTFT, TPOT and e2e per server and the relative errors; writes DIR/<traffic>.json.
+Passes spectune confirm would not count (other work on the machine, or the engine more than 15% slower than in the
+same server's median pass) are left out and listed. Prints predicted vs measured mean TTFT, TPOT and e2e per server
+and the relative errors; writes DIR/<traffic>.json.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from spectune.calibration import replay_vs_measured
-from spectune.confirm import pass_complete, read_tuning, confirm_plan, pass_plan
+from spectune.confirm import step_cost, confirm_plan, pass_complete, pass_plan, pass_table, read_tuning
 from spectune.store import load_run
 from spectune.sweep import run_sweep
 
@@ -54,11 +56,19 @@ def main() -> None:
     out = (args.out or args.results / "calibration") / Path(args.traffic).stem
     if args.measure:
         measure(args.results, args.traffic, out, args.passes)
-    runs = [load_run(p) for p in sorted(out.glob("pass-*")) if pass_complete(p)]
-    if not runs:
+    passes = sorted(p for p in out.glob("pass-*") if pass_complete(p))
+    if not passes:
         raise SystemExit(f"{out}: no measured passes; run with --measure")
     fit_run = load_run(args.results)
-    method = read_tuning(args.results / "tuned")["method"]
+    tuning = read_tuning(args.results / "tuned")
+    method = tuning["method"]
+    # The rule spectune confirm counts passes by: none with other work on the machine, none where the engine ran
+    # more than 15% slower than in the same server's median pass (a constant error of the replay cancels there).
+    table = pass_table(out, len(passes), "e2e_ms_mean", 0.3, step_cost(fit_run, tuning), 0.15)
+    disturbed = sorted(int(p) for p in table.loc[table["disturbed"], "pass"].unique())
+    runs = [load_run(p) for p in passes if int(p.name.split("-")[1]) not in disturbed]
+    print(f"{len(passes)} passes measured; not counted (disturbed): {disturbed or 'none'}")
+    print(table.pivot_table(index="pass", columns="server", values="speed_index").round(2).to_string())
     tables = {}
     for label, calibrated in (("before", False), ("after", True)):
         tables[label] = replay_vs_measured(fit_run, runs, calibrated=calibrated, method=method, draws=args.draws)
@@ -68,8 +78,9 @@ def main() -> None:
         cols = ["server"] + [f"{m}_{k}" for m in ("ttft_ms", "tpot_ms", "e2e_ms") for k in ("measured", "predicted", "error")]
         print(table[cols].to_string(index=False, float_format="%.3f"))
     foreign = pd.concat([r.cells for r in runs])["foreign_cpu_cores"]
-    print(f"\nother work on the machine during the measured cells: mean {foreign.mean():.2f} cores, max {foreign.max():.2f}")
-    (out.parent / f"{out.name}.json").write_text(json.dumps({k: t.to_dict("records") for k, t in tables.items()}, indent=2) + "\n")
+    print(f"\nother work on the machine during the counted cells: mean {foreign.mean():.2f} cores, max {foreign.max():.2f}")
+    record = {k: t.to_dict("records") for k, t in tables.items()} | {"passes": len(passes), "not_counted": disturbed}
+    (out.parent / f"{out.name}.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

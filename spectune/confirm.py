@@ -248,7 +248,7 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
     metric, higher, words = METRICS[objective]
     sweep = load_run(options.results_dir)
     servers, raw = confirm_plan(sweep.manifest, tuning, tuned_dir, out, options.batch_sizes)
-    cost = _step_cost(sweep, tuning)
+    cost = step_cost(sweep, tuning)
     look_schedule(options.min_passes, options.max_passes)  # bad bounds fail before anything runs
     out.mkdir(parents=True, exist_ok=True)
     ran, decision, table = 0, None, pd.DataFrame()
@@ -353,7 +353,7 @@ def pass_complete(pass_dir: Path) -> bool:
     return path.exists() and json.loads(path.read_text()).get("status") == "complete"
 
 
-def _step_cost(sweep, tuning: dict):
+def step_cost(sweep, tuning: dict):
     """The tuning sweep's calibrated step costs, to tell how fast the engine ran in a pass (None without step clocks)."""
     from spectune.calibration import calibrate, has_step_clocks
 
