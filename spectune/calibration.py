@@ -343,6 +343,20 @@ def fit_prefill(steps: pd.DataFrame) -> tuple[float, float, float]:
     return float(fixed + (post.median() if not post.empty else 0.0)), float(per_token), max(0.0, float(per_intake))
 
 
+def fit_client_side(steps: pd.DataFrame, requests: pd.DataFrame) -> tuple[float, float]:
+    """(delivery_ms, stream_end_ms): medians over matched requests of their first and last chunk's arrival at the
+    client, and of their stream's end there, after the end of the wall of the step that produced them (the replay's
+    step end: the next step's start)."""
+    wall_end = dict(zip(steps["end_s"], steps["next_start_s"]))
+    first_end = requests["e_step_ends"].map(lambda e: wall_end.get(e[0], math.nan))
+    last_end = requests["e_step_ends"].map(lambda e: wall_end.get(e[-1], math.nan))
+    first = requests["chunk_ns"].map(lambda c: c[0]) / 1e9
+    last = requests["chunk_ns"].map(lambda c: c[-1]) / 1e9
+    delivery = pd.concat([first - first_end, last - last_end]).dropna() * 1000.0
+    stream_end = (requests["end_ns"] / 1e9 - last_end).dropna() * 1000.0
+    return (float(delivery.median()) if len(delivery) else 0.0, float(stream_end.median()) if len(stream_end) else 0.0)
+
+
 def fit_intake(steps: pd.DataFrame, requests: pd.DataFrame) -> float:
     """The server's time per request before the engine sees it (HTTP, JSON, tokenizing, one at a time on its event
     loop): the median over matched requests of submitted - max(send, the previous request's submit)."""
@@ -359,8 +373,8 @@ def round_acceptance(joined: pd.DataFrame, tags: dict[str, str]) -> dict[str, Po
     """Per-position acceptance along the output per request tag (key "" pools all) from the engine's own record of
     every request-round of static speculative servers: how often the proposer drafted at all, and given it did,
     the conditional per-position acceptance (censored at the drafts it offered)."""
-    accepted, proposed, positions, groups = [], [], [], []
-    for row in joined.itertuples():
+    accepted, proposed, positions, groups, request = [], [], [], [], []
+    for k, row in enumerate(joined.itertuples()):
         if not row.e_num_steps or max(row.e_num_steps) == 0:
             continue
         tokens = np.asarray(row.chunk_tokens, dtype=np.int64)
@@ -368,9 +382,10 @@ def round_acceptance(joined: pd.DataFrame, tags: dict[str, str]) -> dict[str, Po
         proposed.append(np.asarray(row.e_proposed, dtype=np.int64))
         positions.append(np.cumsum(tokens)[:-1])  # output tokens before each decode step
         groups.append(np.full(len(row.e_accepted), tags.get(row.prompt, ""), dtype=object))
+        request.append(np.full(len(row.e_accepted), k))
     if not accepted:
         raise SpectuneError("round logs: no request-rounds of static speculative servers to fit acceptance on")
-    accepted, proposed, positions, groups = map(np.concatenate, (accepted, proposed, positions, groups))
+    accepted, proposed, positions, groups, request = map(np.concatenate, (accepted, proposed, positions, groups, request))
 
     def fit(rows: np.ndarray) -> PositionalAcceptance:
         drafted = rows & (proposed > 0)
@@ -379,11 +394,39 @@ def round_acceptance(joined: pd.DataFrame, tags: dict[str, str]) -> dict[str, Po
         whole = float((proposed[rows] > 0).mean())
         shares = tuple(float((proposed[rows & (bucket == b)] > 0).mean()) if (rows & (bucket == b)).sum() >= MIN_BUCKET_ROUNDS else whole
                        for b in range(len(conditional.by_bucket)))
-        return PositionalAcceptance(conditional.by_bucket, drafted=shares)
+        profile = PositionalAcceptance(conditional.by_bucket, drafted=shares)
+        offsets = [_request_offset(profile, accepted[m], proposed[m], positions[m]) for i in np.unique(request[drafted])
+                   if (m := drafted & (request == i)).sum() >= MIN_REQUEST_ROUNDS]
+        return PositionalAcceptance(conditional.by_bucket, drafted=shares, request_offsets=tuple(o for o in offsets if math.isfinite(o)))
 
     profiles = {g: fit(groups == g) for g in set(groups) if g}
     profiles[""] = fit(np.ones(len(groups), dtype=bool))
     return profiles
+
+
+MIN_REQUEST_ROUNDS = 4  # drafted rounds below which a request's own acceptance is not estimated
+
+
+def _request_offset(profile: PositionalAcceptance, accepted: np.ndarray, proposed: np.ndarray, positions: np.ndarray) -> float:
+    """How much easier one request was to draft for than its group: the shift theta of every conditional rate in
+    log-odds that makes its expected accepted drafts (over its own rounds, positions and offered drafts) match what it
+    accepted. Requests of one kind differ (one passage is copied word for word, another is not), and that spread
+    decides how far apart requests finish."""
+    horizon = int(proposed.max())
+    base = np.clip(profile.rate_matrix(int(positions.max()) + 1, horizon)[positions], 1e-4, 1 - 1e-4)  # [R, H]
+    logit = np.log(base / (1 - base))
+    offered = np.arange(horizon)[None, :] < proposed[:, None]  # [R, H]
+    target = accepted.sum()
+    expected = lambda theta: float((np.cumprod(1 / (1 + np.exp(-(logit + theta))), axis=1) * offered).sum())
+    lo, hi = -12.0, 12.0
+    if target <= expected(lo):
+        return lo
+    if target >= expected(hi):
+        return hi
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected(mid) < target else (lo, mid)
+    return (lo + hi) / 2
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -434,10 +477,11 @@ def calibrate(run, engine: str, method: str, batch_sizes) -> Calibration:
     joined = pd.concat(joined, ignore_index=True)
     prefill_fixed, per_token, prefill_intake = fit_prefill(steps)
     effects = fit_step_effects(steps)
+    delivery, stream_end = fit_client_side(steps, joined)
     cost = ServingCost(decode=fit_step_costs(steps, tuple(batch_sizes)), prefill_fixed_ms=prefill_fixed, prefill_per_token_ms=per_token,
                        request_overhead_ms=max(MIN_REQUEST_OVERHEAD_MS, fit_intake(steps, joined)), source="step clocks",
                        gather_ms_per_seq=effects.gather_ms_per_seq, intake_interference_ms=effects.intake_ms,
-                       prefill_intake_ms=prefill_intake, finish_ms=effects.finish_ms)
+                       prefill_intake_ms=prefill_intake, finish_ms=effects.finish_ms, delivery_ms=delivery, stream_end_ms=stream_end)
     tags = {_prompt_key(r): r.tag for r in load_requests(run.manifest["plan"]["workload"])}
     spec = joined[joined["e_num_steps"].map(lambda s: bool(s) and max(s) > 0)]
     return Calibration(cost=cost, profiles=round_acceptance(spec, tags), cells_used=len(quiet),

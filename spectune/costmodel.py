@@ -475,6 +475,10 @@ class ServingCost:
     intake_interference_ms: float = 0.0  # during a decode step
     prefill_intake_ms: float = 0.0  # during a prefill step (mostly tensor work that leaves the interpreter free)
     finish_ms: float = 0.0
+    # The client's side of a step's end: a chunk reaches it delivery_ms later (TTFT and e2e include it), and its
+    # stream has ended, freeing a slot for the next request, stream_end_ms later.
+    delivery_ms: float = 0.0
+    stream_end_ms: float = 0.0
 
     def t_prefill(self, prompt_tokens: Sequence[int]) -> float:
         return self.prefill_fixed_ms + self.prefill_per_token_ms * len(prompt_tokens) * max(prompt_tokens)
@@ -585,6 +589,9 @@ class PositionalAcceptance:
     # match); by_bucket then holds for those rounds only. Empty: every round drafts, by_bucket counts the others as
     # rejecting draft 1.
     drafted: tuple[float, ...] = ()
+    # Per measured request of the group, its acceptance's shift in log-odds from by_bucket (spectune.calibration): a
+    # replay gives each request one of them, so requests of one kind differ as measured ones did. Empty: all alike.
+    request_offsets: tuple[float, ...] = ()
 
     def rate_matrix(self, num_positions: int, horizon: int) -> np.ndarray:
         """[P, H]: a_1..a_H for a round starting after p = 0..P-1 output tokens."""

@@ -412,6 +412,10 @@ def draw_acceptance(traffic: Traffic, profiles: dict[str, PositionalAcceptance],
     draws = rng.random((traffic.num_requests, positions, horizon))  # [N, P, H]
     by_group = {g: profiles[g].rate_matrix(positions, horizon) for g in set(traffic.groups)}  # [P, H] each
     rates = np.stack([by_group[g] for g in traffic.groups])  # [N, P, H]
+    if any(profiles[g].request_offsets for g in set(traffic.groups)):  # each request as easy as one measured request
+        theta = np.array([rng.choice(profiles[g].request_offsets) if profiles[g].request_offsets else 0.0 for g in traffic.groups])
+        clipped = np.clip(rates, 1e-4, 1 - 1e-4)
+        rates = 1 / (1 + np.exp(-(np.log(clipped / (1 - clipped)) + theta[:, None, None])))
     accepted = np.cumprod(draws < rates, axis=2).sum(axis=2)  # [N, P]: leading accepted drafts
     if not any(profiles[g].drafted for g in set(traffic.groups)):
         return AcceptanceDraws(horizon=horizon, accepted=accepted)
@@ -480,7 +484,7 @@ def simulate_requests(
         heapq.heappush(free_slots, int(slot[i]))
         just_finished += 1
         if client_free is not None:
-            heapq.heappush(client_free, t)
+            heapq.heappush(client_free, t + cost.stream_end_ms)
 
     def wall(start: float, ms: float, per_intake: float) -> float:
         """A step's end: its own cost, the stream ends of the requests finished at the step before, and every request
@@ -543,11 +547,13 @@ def simulate_requests(
         for i in batch[generated[batch] >= output[batch]].tolist():
             end(i)
             done += 1
+    first, finish = first + cost.delivery_ms, finish + cost.delivery_ms  # when the client sees the chunks
     ttft, e2e = first - send, finish - send
     requests = pd.DataFrame({
         "group": list(traffic.groups),
         "arrival_ms": traffic.arrival_ms,
         "send_ms": send,
+        "ready_ms": ready,  # taken in by the server, handed to the engine
         "first_token_ms": first,
         "finish_ms": finish,
         "ttft_ms": ttft,
