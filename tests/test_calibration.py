@@ -13,7 +13,19 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from spectune.calibration import calibrate, has_step_clocks, join_run, replay_vs_measured, step_frame
+from spectune.calibration import (
+    _request_offset,
+    calibrate,
+    cell_windows,
+    fit_step_effects,
+    has_step_clocks,
+    in_windows,
+    join_run,
+    quiet_cells,
+    replay_vs_measured,
+    speed_index,
+    step_frame,
+)
 from spectune.store import load_run
 from sweep_helpers import sweep_cmd
 
@@ -112,17 +124,51 @@ def test_step_walls_cover_compute_and_are_left_out_where_the_engine_idled(runs):
 def test_calibration_terms_are_fitted_from_the_round_logs(runs):
     run = load_run(runs[0])
     cal = calibrate(run, "embedded", "ngram", (1, 4))
-    steps = pd.concat([step_frame(p) for p in run.round_logs.values()])
-    decode = steps[(steps["kind"] == "decode") & steps["wall_ms"].notna()]
-    at1 = decode[(decode["batch_size"] == 1) & (decode["width"] == 0)]["wall_ms"]
-    # the windows of the cells keep every measured step; warm-up steps come before them
-    assert cal.cost.decode.target_ms[cal.cost.decode.batch_sizes.index(1)] <= at1.max()
-    assert cal.cost.decode.target_ms[0] > 0 and min(cal.cost.decode.per_step_ms) >= 0
+    steps = pd.concat([step_frame(path).assign(server=server) for server, path in run.round_logs.items()], ignore_index=True)
+    # the fit takes the steps inside the windows (first send to last end) of the cells measured on a quiet machine;
+    # warm-up steps come before them
+    steps = pd.concat([steps[(steps["server"] == server) & in_windows(steps["start_s"], cell_windows(run.requests, cells["cell"]))]
+                       for server, cells in quiet_cells(run.cells).groupby("server")])
+    clean = steps[(steps["kind"] == "decode") & steps["wall_ms"].notna() & steps["contiguous"] & (steps["num_intakes"] == 0)
+                  & (steps["num_finished_before"] == 0)]
+    # target_ms at batch 1 is the median wall of the clean steps that ran no proposer
+    plain = clean[(clean["batch_size"] == 1) & (clean["num_steps"] == 0)]["wall_ms"]
+    assert cal.cost.decode.target_ms[cal.cost.decode.batch_sizes.index(1)] == pytest.approx(plain.median())
+    assert min(cal.cost.decode.per_step_ms) >= 0 and cal.cost.decode.draft_fixed_ms[0] > 0  # the proposer has a cost
+    # the step effects are the least-squares coefficients over every decode step, one fixed effect per
+    # (server, batch size, width) with enough steps
+    effects = fit_step_effects(steps)
+    assert (cal.cost.gather_ms_per_seq, cal.cost.intake_interference_ms, cal.cost.finish_ms) == (
+        effects.gather_ms_per_seq, effects.intake_ms, effects.finish_ms)
+    assert min(effects.gather_ms_per_seq, effects.intake_ms, effects.finish_ms) >= 0 and effects.steps > 0
     assert cal.cost.prefill_per_token_ms > 0 and cal.cost.request_overhead_ms > 0 and cal.cost.source == "step clocks"
+    assert cal.cost.delivery_ms > 0 and cal.cost.stream_end_ms > 0  # the client sees a step's end after it
     assert cal.requests_unmatched == 0 and cal.requests_matched > 0
+    assert {"quote", "random"} <= set(cal.profiles)
     for profile in cal.profiles.values():
         assert profile.drafted and all(0 <= s <= 1 for s in profile.drafted)
-    assert {"quote", "random"} <= set(cal.profiles)
+        assert profile.request_offsets and all(-12 <= o <= 12 for o in profile.request_offsets)
+    # each request's offset makes its expected accepted drafts match what the engine logged for it
+    joined = join_run(run).requests
+    spec = joined[joined["e_num_steps"].map(lambda g: max(g, default=0) > 0)]
+    quote = cal.profiles["quote"]
+    row = spec[spec["prompt"].str.startswith("Repeat")].iloc[0]
+    proposed, accepted = np.asarray(row["e_proposed"]), np.asarray(row["e_accepted"])
+    positions = np.cumsum(row["chunk_tokens"])[:-1]
+    drafted = proposed > 0
+    theta = _request_offset(quote, accepted[drafted], proposed[drafted], positions[drafted])
+    rates = np.clip(quote.rate_matrix(int(positions.max()) + 1, int(proposed.max()))[positions[drafted]], 1e-4, 1 - 1e-4)
+    shifted = 1 / (1 + np.exp(-(np.log(rates / (1 - rates)) + theta)))
+    offered = np.arange(rates.shape[1])[None, :] < proposed[drafted][:, None]
+    if -12 < theta < 12:
+        assert (np.cumprod(shifted, axis=1) * offered).sum() == pytest.approx(accepted[drafted].sum(), rel=1e-3)
+
+
+def test_speed_index_is_about_one_on_the_runs_the_costs_were_fitted_on(runs):
+    run = load_run(runs[0])
+    index = speed_index(run, calibrate(run, "embedded", "ngram", (1, 4)).cost)
+    assert set(index.index) == set(run.cells["cell"])
+    assert index.between(0.5, 2.0).all()
 
 
 def test_replay_of_a_measured_trace_run_sits_beside_it(runs):
