@@ -1,13 +1,13 @@
 """The request-level replay against the embedded engine, per server, before and after calibration, on traffic the
 replay was not fitted on.
 
-    python benchmarks/calibration.py RESULTS [--traffic heldout] [--passes 2] [--measure] [--out DIR]
+    python benchmarks/calibration.py RESULTS [--traffic heldout] [--passes 2] [--measure] [--out DIR] [--passes-dir DIR]
 
 RESULTS is a closed-loop sweep tuned by `spectune tune` on a replay objective (its tuned/ holds the tuned config).
 With --measure, the four servers `spectune confirm` runs (target-only, the best static g, the tuned config, SGLang's
 default config) are run on the traffic (a workload with arrival_s), `--passes` times with the server order rotated,
 into DIR/<traffic>/pass-NN (resumable: finished passes are kept). Then every measured run under DIR/<traffic> is
-replayed with the replay fitted on RESULTS two ways:
+replayed (or those of --passes-dir, e.g. a `spectune confirm` directory) with the replay fitted on RESULTS two ways:
 - before: the fit of spectune 0.x before calibration (step costs from round-log gaps at the swept batch sizes, a
   decode step charged its policy's g whatever was drafted, acceptance from the streamed chunks);
 - after: spectune.calibration (step clocks, verify width, the engine's own request-rounds with the drafted share).
@@ -52,8 +52,9 @@ def main() -> None:
     parser.add_argument("--measure", action="store_true")
     parser.add_argument("--out", type=Path, help="default: RESULTS/calibration")
     parser.add_argument("--draws", type=int, default=5)
+    parser.add_argument("--passes-dir", type=Path, help="replay the passes of this directory (e.g. RESULTS/confirm) instead")
     args = parser.parse_args()
-    out = (args.out or args.results / "calibration") / Path(args.traffic).stem
+    out = args.passes_dir or (args.out or args.results / "calibration") / Path(args.traffic).stem
     if args.measure:
         measure(args.results, args.traffic, out, args.passes)
     passes = sorted(p for p in out.glob("pass-*") if pass_complete(p))
@@ -74,7 +75,7 @@ def main() -> None:
         tables[label] = replay_vs_measured(fit_run, runs, calibrated=calibrated, method=method, draws=args.draws)
     pd.set_option("display.width", 220)
     for label, table in tables.items():
-        print(f"\n{label} calibration: replay fitted on {args.results.name}, traffic {args.traffic} ({len(runs)} measured passes)")
+        print(f"\n{label} calibration: replay fitted on {args.results.name}, traffic {runs[0].manifest['plan']['workload']} ({len(runs)} measured passes)")
         cols = ["server"] + [f"{m}_{k}" for m in ("ttft_ms", "tpot_ms", "e2e_ms") for k in ("measured", "predicted", "error")]
         print(table[cols].to_string(index=False, float_format="%.3f"))
     foreign = pd.concat([r.cells for r in runs])["foreign_cpu_cores"]

@@ -270,10 +270,10 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
             log(f"pass {i + 1}: disturbed (other work on this machine, or the engine ran more than {options.max_slowdown:.0%} slower than "
                 "in the other passes); not counted, run again")
         gains = pass_gains(table[~table["disturbed"]], higher) if not table.empty else pass_gains(table, higher)
-        if len(gains) >= 2:
-            decision = decide(gains, COMPARED, higher, options.min_passes, options.max_passes)
-            if decision.stop:
-                break
+        # which passes count can change as passes come (the median speed moves), so decide on this table only
+        decision = decide(gains, COMPARED, higher, options.min_passes, options.max_passes) if len(gains) >= 2 else None
+        if decision is not None and decision.stop:
+            break
     n = len(gains) if decision is not None else 0
     verdict = None
     if decision is not None:
