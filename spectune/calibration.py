@@ -156,29 +156,28 @@ def engine_requests(steps: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(list(rows.values()))
 
 
-def join_requests(client: pd.DataFrame, engine: pd.DataFrame) -> pd.DataFrame:
+def join_requests(client: pd.DataFrame, engine: pd.DataFrame, lookahead: int = 64) -> pd.DataFrame:
     """The load generator's rows (one cell's or several) matched to the engine's requests: in order of send, each
-    takes the first engine request received at or after its send that no earlier one took (the server reads
-    requests in the order they arrive; warm-up requests, not in the client's rows, are passed over). A match must
-    agree on prompt tokens and on the number of chunks; rows that do not are dropped and counted in attrs."""
+    takes the first engine request received at or after its send that no earlier one took and that agrees with it
+    on prompt tokens and number of chunks (requests sent together may reach the server in another order; warm-up
+    requests, not in the client's rows, are passed over). Rows without such a request are dropped and counted in
+    attrs["unmatched"]."""
     client = client[client["error"].isna()].sort_values("send_ns")
     engine = engine.sort_values("received_s").reset_index(drop=True)
     received = engine["received_s"].to_numpy(float)
+    prompts = engine["prompt_tokens"].to_numpy()
+    chunks = engine["step_ends"].map(len).to_numpy()
     taken = np.zeros(len(engine), dtype=bool)
     picks, rows = [], []
-    cursor = 0
     for row in client.itertuples():
-        send_s = row.send_ns / 1e9
-        while cursor < len(engine) and (taken[cursor] or received[cursor] < send_s):
-            cursor += 1
-        if cursor == len(engine):
-            break
-        taken[cursor] = True
-        picks.append(cursor)
-        rows.append(row.Index)
+        start = int(np.searchsorted(received, row.send_ns / 1e9))
+        for k in range(start, min(start + lookahead, len(engine))):
+            if not taken[k] and prompts[k] == row.prompt_tokens and chunks[k] == row.num_chunks:
+                taken[k] = True
+                picks.append(k)
+                rows.append(row.Index)
+                break
     joined = pd.concat([client.loc[rows].reset_index(drop=True), engine.loc[picks].reset_index(drop=True).add_prefix("e_")], axis=1)
-    ok = (joined["e_prompt_tokens"] == joined["prompt_tokens"]) & (joined["num_chunks"] == joined["e_step_ends"].map(len))
-    joined = joined[ok].reset_index(drop=True)
     joined.attrs["unmatched"] = int(len(client) - len(joined))
     return joined
 
