@@ -355,7 +355,8 @@ def pass_complete(pass_dir: Path) -> bool:
 
 def step_cost(sweep, tuning: dict):
     """The tuning sweep's calibrated step costs, to tell how fast the engine ran in a pass (None without step clocks)."""
-    from spectune.calibration import calibrate, has_step_clocks
+    from spectune.calibration import calibrate
+    from spectune.steplog import has_step_clocks
 
     if tuning.get("engine") != "embedded" or not has_step_clocks(sweep):
         return None

@@ -163,7 +163,8 @@ def replay_terms(run: Run, fit: CostFit, calibrated: bool = True) -> tuple[Servi
     """Serving cost and acceptance per workload phase ("" pools all): fitted from the engine's step clocks and its
     own record of every request-round (spectune.calibration) when the round logs have them, else from round-log
     gaps and the streamed chunks (serving_cost, phase_acceptance)."""
-    from spectune.calibration import calibrate, has_step_clocks
+    from spectune.calibration import calibrate
+    from spectune.steplog import has_step_clocks
 
     if calibrated and has_step_clocks(run):
         c = calibrate(run, fit.engine, fit.method, fit.cost.batch_sizes)

@@ -13,19 +13,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from spectune.calibration import (
-    _request_offset,
-    calibrate,
-    cell_windows,
-    fit_step_effects,
-    has_step_clocks,
-    in_windows,
-    join_run,
-    quiet_cells,
-    replay_vs_measured,
-    speed_index,
-    step_frame,
-)
+from spectune.calibration import _request_offset, calibrate, fit_step_effects, quiet_cells, replay_vs_measured, speed_index
+from spectune.steplog import cell_windows, has_step_clocks, in_windows, join_run, step_frame
 from spectune.store import load_run
 from sweep_helpers import sweep_cmd
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pytest
 import scipy.stats
@@ -16,7 +15,6 @@ from spectune.confirm import (
     COMPARED,
     NARROW_PCT,
     decide,
-    difference,
     look_alphas,
     look_schedule,
     spent_alpha,
