@@ -251,7 +251,7 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
     cost = step_cost(sweep, tuning)
     look_schedule(options.min_passes, options.max_passes)  # bad bounds fail before anything runs
     out.mkdir(parents=True, exist_ok=True)
-    ran, decision, table = 0, None, pd.DataFrame()
+    ran, decision, table, cache = 0, None, pd.DataFrame(), {}
     for i in range(2 * options.max_passes):  # disturbed passes are run again, up to as many more attempts
         pass_dir = out / f"pass-{i + 1:02d}"
         if not pass_complete(pass_dir):
@@ -265,7 +265,7 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
                 raise KeyboardInterrupt
             if outcome.failed:
                 raise SpectuneError(f"{pass_dir}: {outcome.failed} cell(s) failed; their causes are in {pass_dir}/cells/*.json")
-        table = pass_table(out, i + 1, metric, options.max_foreign_cores, cost, options.max_slowdown)
+        table = pass_table(out, i + 1, metric, options.max_foreign_cores, cost, options.max_slowdown, cache)
         if not table.empty and table.loc[table["pass"] == i + 1, "disturbed"].any():
             log(f"pass {i + 1}: disturbed (other work on this machine, or the engine ran more than {options.max_slowdown:.0%} slower than "
                 "in the other passes); not counted, run again")
@@ -365,27 +365,20 @@ def step_cost(sweep, tuning: dict):
 
 
 def pass_table(out: Path, num_passes: int, metric: str, max_foreign_cores: float = math.inf, cost=None,
-               max_slowdown: float = math.inf) -> pd.DataFrame:
+               max_slowdown: float = math.inf, cache: dict | None = None) -> pd.DataFrame:
     """One row per finished pass, server and batch size: the metric (role: tuned, sglang-default, static, target), the
     cores other work used meanwhile, the engine's speed index (spectune.calibration.speed_index, with `cost`), and
     whether the pass was disturbed: a cell above max_foreign_cores, or with a speed index more than max_slowdown
-    above the median of the same server and batch size over the passes. A disturbed pass is not counted."""
-    from spectune.calibration import speed_index
-    from spectune.store import load_run
-
+    above the median of the same server and batch size over the passes. A disturbed pass is not counted. `cache`
+    keeps each finished pass's rows between calls (reading its round logs is the slow part)."""
+    cache = {} if cache is None else cache
     frames = []
     for i in range(1, num_passes + 1):
         pass_dir = out / f"pass-{i:02d}"
-        if not pass_complete(pass_dir):
-            continue
-        run = load_run(pass_dir)
-        cells = run.cells[run.cells["status"] == "ok"]
-        speed = speed_index(run, cost).reindex(cells["cell"]).to_numpy() if cost is not None else np.full(len(cells), np.nan)
-        frames.append(pd.DataFrame({"pass": i, "server": cells["server"], "role": cells["server"].map(_role),
-                                    "batch_size": cells["batch_size"], "value": cells[metric],
-                                    "traffic_digest": cells["traffic_digest"],
-                                    "foreign_cpu_cores": cells.get("foreign_cpu_cores", pd.Series(np.nan, index=cells.index)),
-                                    "speed_index": speed}))
+        if i not in cache and pass_complete(pass_dir):
+            cache[i] = _pass_rows(pass_dir, i, metric, cost)
+        if i in cache:
+            frames.append(cache[i])
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["pass", "server", "role", "batch_size", "value",
                                                                                        "foreign_cpu_cores", "speed_index"])
     if not table.empty and table.groupby("batch_size")["traffic_digest"].nunique().max() > 1:
@@ -395,6 +388,18 @@ def pass_table(out: Path, num_passes: int, metric: str, max_foreign_cores: float
     typical = table.groupby(["server", "batch_size"])["speed_index"].transform("median")
     bad = (table["foreign_cpu_cores"] > max_foreign_cores) | (table["speed_index"] > typical * (1 + max_slowdown))
     return table.assign(disturbed=bad.groupby(table["pass"]).transform("any").to_numpy(bool))
+
+
+def _pass_rows(pass_dir: Path, number: int, metric: str, cost) -> pd.DataFrame:
+    from spectune.calibration import speed_index
+    from spectune.store import load_run
+
+    run = load_run(pass_dir)
+    cells = run.cells[run.cells["status"] == "ok"]
+    speed = speed_index(run, cost).reindex(cells["cell"]).to_numpy() if cost is not None else np.full(len(cells), np.nan)
+    return pd.DataFrame({"pass": number, "server": cells["server"], "role": cells["server"].map(_role), "batch_size": cells["batch_size"],
+                         "value": cells[metric], "traffic_digest": cells["traffic_digest"],
+                         "foreign_cpu_cores": cells.get("foreign_cpu_cores", pd.Series(np.nan, index=cells.index)), "speed_index": speed})
 
 
 def _role(server: str) -> str:
