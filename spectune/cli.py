@@ -97,6 +97,7 @@ def tune(
     out: Optional[Path] = typer.Option(None, help="Output directory. Default: <RESULTS>/tuned."),
     draft_model: Optional[str] = typer.Option(None, help="Draft model path for the vLLM / llama.cpp outputs. Default: the plan's."),
     method: Optional[str] = typer.Option(None, help="Speculative method to tune (e.g. eagle, ngram). Default: the one that measured fastest over target-only."),
+    exhaustive: bool = typer.Option(True, help="Also score an exhaustive grid of SGLang configs on the same bench (a minute or two)."),
 ) -> None:
     """Search SGLang adaptive configs on the measured traces; write adaptive_spec.json, vLLM and llama.cpp configs."""
     from spectune.tune import TuneOptions
@@ -104,10 +105,37 @@ def tune(
 
     outcome = run_tune(TuneOptions(results_dir=results, storage=storage, trials=trials, objective=objective, worker=worker, seed=seed,
                                    sglang_version=sglang_version, out_dir=out, draft_model=draft_model, method=method,
-                                   traffic=traffic, max_concurrency=max_concurrency), log=typer.echo)
+                                   traffic=traffic, max_concurrency=max_concurrency, exhaustive=exhaustive), log=typer.echo)
     if outcome.summary is not None:
         typer.echo(outcome.summary[["name", "speedup", "policy"]].to_string(index=False, float_format="%.3f"))
         typer.echo("\n".join(str(p) for p in outcome.files))
+        for line in outcome.verdict_lines:
+            typer.echo(line)
+
+
+@app.command()
+def confirm(
+    results: Path = typer.Argument(..., help="A results directory tuned by spectune tune (RESULTS/tuned/tuning.json)."),
+    max_passes: int = typer.Option(20, min=2, help="Most paired passes (each runs every server once on the same traffic)."),
+    min_passes: int = typer.Option(4, min=2, help="Passes before the first look at the intervals."),
+    run_passes: Optional[int] = typer.Option(None, min=1, help="Run at most this many passes now; run again to continue."),
+    batch_sizes: Optional[str] = typer.Option(None, help="Closed-loop objectives: confirm at these swept batch sizes only, e.g. 1,16."),
+    tuned: Optional[Path] = typer.Option(None, help="The tune output to confirm (tuning.json, adaptive_spec.json). Default: <RESULTS>/tuned."),
+    max_foreign_cores: float = typer.Option(0.3, min=0.0, help="Run a pass again when, in any cell, other work used more cores of this machine."),
+    max_slowdown: float = typer.Option(0.15, min=0.0, help="Run a pass again when, in any cell, the engine's steps ran this much slower than in the same server's median pass."),
+    out: Optional[Path] = typer.Option(None, help="Passes directory. Default: <RESULTS>/confirm."),
+) -> None:
+    """Measure the tuned config against SGLang's default config, the best static g and target-only on the engine,
+    paired passes until the difference is clear; write the verdict into tuning.json."""
+    from spectune.confirm import ConfirmOptions
+    from spectune.confirm import confirm as run_confirm
+
+    outcome = run_confirm(ConfirmOptions(results_dir=results, tuned_dir=tuned, out_dir=out, max_passes=max_passes, min_passes=min_passes,
+                                         run_passes=run_passes, batch_sizes=_ints(batch_sizes, "--batch-sizes"),
+                                         max_foreign_cores=max_foreign_cores, max_slowdown=max_slowdown), log=typer.echo)
+    if not outcome.finished:
+        again = " ".join(sys.argv[1:]).replace(f"--run-passes {run_passes}", "").strip() if run_passes else " ".join(sys.argv[1:])
+        typer.echo(f"{outcome.passes} passes counted so far; not settled yet. Continue with: spectune {again}")
 
 
 # --- end model / tune / validate-config ---

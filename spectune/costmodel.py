@@ -142,6 +142,15 @@ class RoundCost:
         t = target + np.where(g > 0, draft, 0.0)
         return float(t) if t.ndim == 0 else t
 
+    def t_speculative(self, batch_size, width):
+        """ms for a round that ran the proposer and verified `width` drafts per request (0 when none offered any:
+        the proposer's fixed cost is still paid)."""
+        bs = np.asarray(batch_size, dtype=float)
+        w = np.asarray(width, dtype=float)
+        t = (np.interp(bs, self.batch_sizes, self.target_ms) + np.interp(bs, self.batch_sizes, self.draft_fixed_ms)
+             + np.interp(bs, self.batch_sizes, self.per_step_ms) * w)
+        return float(t) if t.ndim == 0 else t
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class CostFit:
@@ -456,6 +465,20 @@ class ServingCost:
     prefill_fixed_ms: float
     prefill_per_token_ms: float
     request_overhead_ms: float
+    # How the replay was fitted: "round-log gaps" (older logs) or "step clocks" (spectune.calibration)
+    source: str = "round-log gaps"
+    # Terms the step clocks reveal (spectune.calibration; 0 = not modelled): a decode step whose sequences do not
+    # sit in one run of KV-cache slots gathers their cache rows (ms per sequence); a request the server takes in
+    # while a step runs holds the interpreter the step needs (ms per request); a request that finished at the step
+    # before costs the next step its stream's end (ms per request).
+    gather_ms_per_seq: float = 0.0
+    intake_interference_ms: float = 0.0  # during a decode step
+    prefill_intake_ms: float = 0.0  # during a prefill step (mostly tensor work that leaves the interpreter free)
+    finish_ms: float = 0.0
+    # The client's side of a step's end: a chunk reaches it delivery_ms later (TTFT and e2e include it), and its
+    # stream has ended, freeing a slot for the next request, stream_end_ms later.
+    delivery_ms: float = 0.0
+    stream_end_ms: float = 0.0
 
     def t_prefill(self, prompt_tokens: Sequence[int]) -> float:
         return self.prefill_fixed_ms + self.prefill_per_token_ms * len(prompt_tokens) * max(prompt_tokens)
@@ -562,11 +585,24 @@ class PositionalAcceptance:
 
     by_bucket: tuple[AcceptanceProfile, ...]
     bucket_tokens: int = POSITION_BUCKET_TOKENS
+    # Share of request-rounds per bucket in which the proposer offered drafts at all (an n-gram proposer finds no
+    # match); by_bucket then holds for those rounds only. Empty: every round drafts, by_bucket counts the others as
+    # rejecting draft 1.
+    drafted: tuple[float, ...] = ()
+    # Per measured request of the group, its acceptance's shift in log-odds from by_bucket (spectune.calibration): a
+    # replay gives each request one of them, so requests of one kind differ as measured ones did. Empty: all alike.
+    request_offsets: tuple[float, ...] = ()
 
     def rate_matrix(self, num_positions: int, horizon: int) -> np.ndarray:
         """[P, H]: a_1..a_H for a round starting after p = 0..P-1 output tokens."""
         bucket = np.minimum(np.arange(num_positions) // self.bucket_tokens, len(self.by_bucket) - 1)
         return np.stack([self.by_bucket[b].rate_vector(horizon) for b in bucket])
+
+    def drafted_vector(self, num_positions: int) -> np.ndarray:
+        """[P]: the share of rounds starting after p output tokens that drafted (1 without `drafted`)."""
+        if not self.drafted:
+            return np.ones(num_positions)
+        return np.asarray(self.drafted)[np.minimum(np.arange(num_positions) // self.bucket_tokens, len(self.drafted) - 1)]
 
 
 def fit_positional_acceptance(accepted: np.ndarray, steps: np.ndarray, positions: np.ndarray) -> PositionalAcceptance:

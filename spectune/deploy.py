@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from spectune.adaptive import AdaptiveConfig
-from spectune.comparisons import compare
+from spectune.comparisons import compare, exhaustive_report, simulated_verdict
 from spectune.costmodel import CostFit, breakeven_batch_size, prediction_vs_measurement, recommend
 from spectune.deploy_engines import ENGINE_NAMES, Deployment, TunedMethod, write_deployments
 from spectune.emit import describe_sglang_config, sglang_launch_steps
@@ -35,6 +35,7 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
     best = max(complete, key=lambda t: t.value)
     tuned = AdaptiveConfig.from_dict(best.user_attrs["config"], source=f"trial {best.number}")
     summary, policies = compare(bench, tuned)
+    assessed = assess(bench, tuned, summary, policies, options)
     deployments = write_configs(tuned, policies, bench, cells, manifest, options, outdir)
     files = [d.file for d in deployments if d.file] + [outdir.resolve() / "deploy.md"]
     notes = [f"{d.engine}: {d.note}" for d in deployments]
@@ -55,6 +56,8 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
         "traces": [{"name": t.name, "rounds": t.num_rounds, "max_steps": t.max_steps,
                     "mean_batch_size": float(t.batch_sizes.mean())} for t in bench.traces],
         **(replay_report(bench.replay) if bench.replay is not None else {}),
+        **({"traffic_source": options.traffic or manifest.get("plan", {}).get("workload")} if bench.replay is not None else {}),
+        **assessed,
         **fit_report(bench.fit, cells, options.objective),
         "files": [p.name for p in files],
         "notes": notes,
@@ -72,6 +75,26 @@ def log_tuned(bench: Bench, tuned: AdaptiveConfig, policies: dict, chosen: str |
     log("steps per batch size (best per-batch-size schedule, simulated): "
         + ", ".join(f"batch {b}: {g}" for b, g in sorted((int(b), int(g)) for b, g in steps.items())))
     log(f"tuned adaptive config: {describe_sglang_config(tuned)}")
+
+
+def assess(bench: Bench, tuned: AdaptiveConfig, summary: pd.DataFrame, policies: dict, options: TuneOptions) -> dict[str, object]:
+    """tuning.json "verdict" (simulated, until `spectune confirm` measures; a measured one already there is kept
+    when the tuned config did not change) and "exhaustive"."""
+    verdict = simulated_verdict(bench, tuned, int(policies["best_static"]["steps"]), options.seed)
+    previous = _previous(options, "verdict")
+    if previous and previous.get("source") == "measured" and _previous(options, "policies", {}).get("tuned_adaptive") == tuned.to_dict():
+        verdict = previous
+    if not options.exhaustive:
+        return {"verdict": verdict}
+    return {"verdict": verdict, "exhaustive": exhaustive_report(bench, tuned, summary, policies)}
+
+
+def _previous(options: TuneOptions, key: str, default=None):
+    path = (options.out_dir or Path(options.results_dir) / "tuned") / "tuning.json"
+    try:
+        return json.loads(path.read_text()).get(key, default)
+    except (OSError, ValueError):
+        return default
 
 
 def _score_text(objective: str) -> str:
@@ -93,8 +116,11 @@ def replay_report(replay: Replay) -> dict[str, object]:
                        for b, t0, f, s in zip(c.decode.batch_sizes, c.decode.target_ms, c.decode.draft_fixed_ms, c.decode.per_step_ms)],
             "prefill_fixed_ms": c.prefill_fixed_ms, "prefill_per_token_ms": c.prefill_per_token_ms,
             "request_overhead_ms": c.request_overhead_ms,
+            "source": c.source, "gather_ms_per_seq": c.gather_ms_per_seq, "intake_interference_ms": c.intake_interference_ms,
+            "prefill_intake_ms": c.prefill_intake_ms, "finish_ms": c.finish_ms,
         },
-        "replay_acceptance": {g or "(untagged)": {"bucket_tokens": p.bucket_tokens, "rates_by_bucket": [list(b.rates) for b in p.by_bucket]}
+        "replay_acceptance": {g or "(untagged)": {"bucket_tokens": p.bucket_tokens, "rates_by_bucket": [list(b.rates) for b in p.by_bucket],
+                                                  "drafted_by_bucket": list(p.drafted)}
                               for g, p in sorted(replay.profiles.items())},
     }
 

@@ -145,18 +145,31 @@ def make_bench(run: Run, objective: str, seed: int, method: str | None = None, t
 
 
 def make_replay(run: Run, fit: CostFit, horizon: int, seed: int, traffic_source: str | None = None,
-                max_concurrency: int | None = None) -> Replay:
+                max_concurrency: int | None = None, calibrated: bool = True) -> Replay:
     """The replay bench of a sweep: its traffic, serving cost and acceptance by workload phase (module docstring).
     At most max_concurrency requests in flight (default: the sweep's largest batch size), and as many engine slots:
     a trace-schedule sweep launches the engine with --max-num-seqs = its cap on requests in flight."""
     plan = run.manifest.get("plan", {})
     max_num_seqs = max_concurrency or max(plan.get("batch_sizes") or fit.cost.batch_sizes)
     traffic = replay_traffic(run, traffic_source or plan["workload"], max_num_seqs)
-    profiles = phase_acceptance(run, fit)
+    cost, profiles = replay_terms(run, fit, calibrated)
     pooled = profiles.pop("")
     profiles = {g: profiles.get(g, pooled) for g in set(traffic.groups)}
     draws = tuple(draw_acceptance(traffic, profiles, horizon, seed + k) for k in range(REPLAY_SEEDS))
-    return Replay(traffic=traffic, cost=serving_cost(run, fit), profiles=profiles, draws=draws, max_num_seqs=max_num_seqs)
+    return Replay(traffic=traffic, cost=cost, profiles=profiles, draws=draws, max_num_seqs=max_num_seqs)
+
+
+def replay_terms(run: Run, fit: CostFit, calibrated: bool = True) -> tuple[ServingCost, dict[str, PositionalAcceptance]]:
+    """Serving cost and acceptance per workload phase ("" pools all): fitted from the engine's step clocks and its
+    own record of every request-round (spectune.calibration) when the round logs have them, else from round-log
+    gaps and the streamed chunks (serving_cost, phase_acceptance)."""
+    from spectune.calibration import calibrate
+    from spectune.steplog import has_step_clocks
+
+    if calibrated and has_step_clocks(run):
+        c = calibrate(run, fit.engine, fit.method, fit.cost.batch_sizes)
+        return c.cost, dict(c.profiles)
+    return serving_cost(run, fit), phase_acceptance(run, fit)
 
 
 def _prompt_key(request) -> str:
@@ -166,8 +179,9 @@ def _prompt_key(request) -> str:
 
 def replay_traffic(run: Run, source: str, max_concurrency: int) -> Traffic:
     """The requests of `source` on their arrival_s, each writing the plan's max_tokens. Prompt tokens are what the
-    sweep's server counted for the same prompt; prompts it never saw are estimated from their length in characters
-    at the sweep's median tokens per character."""
+    sweep's server counted for the same prompt; prompts it never saw are tokenized with the embedded engine's
+    tokenizer (an embedded-engine sweep), else estimated from their length in characters at the sweep's median
+    tokens per character."""
     from spectune.workload import load_requests
 
     plan = run.manifest.get("plan", {})
@@ -180,7 +194,9 @@ def replay_traffic(run: Run, source: str, max_concurrency: int) -> Traffic:
     tokens = measured.groupby("prompt")["prompt_tokens"].median()
     per_char = float((tokens / tokens.index.str.len()).median())
     keys = [_prompt_key(r) for r in requests]
-    prompt_tokens = [int(tokens[k]) if k in tokens.index else max(1, round(len(k) * per_char)) for k in keys]
+    encode = _engine_tokenizer(plan)
+    unseen = lambda r, k: len(encode(r)) if encode is not None else max(1, round(len(k) * per_char))
+    prompt_tokens = [int(tokens[k]) if k in tokens.index else unseen(r, k) for r, k in zip(requests, keys)]
     return Traffic(
         name=Path(str(source)).stem,
         arrival_ms=np.array([r.arrival_s * 1000.0 for r in requests]),
@@ -189,6 +205,26 @@ def replay_traffic(run: Run, source: str, max_concurrency: int) -> Traffic:
         groups=tuple(r.tag or "" for r in requests),
         max_concurrency=max_concurrency,
     )
+
+
+def _engine_tokenizer(plan: dict):
+    """request -> the prompt token ids the embedded engine would see (spectune.engine.server), when every server of
+    the plan is the embedded engine on one model; else None."""
+    servers = plan.get("servers", [])
+    models = {s.get("model") for s in servers}
+    if not servers or any(s.get("engine", "embedded") != "embedded" for s in servers) or len(models) != 1:
+        return None
+    from tokenizers import Tokenizer
+
+    from spectune.engine.shipped import target_path
+
+    model = models.pop()
+    file = (Path(model) if model else target_path()) / "tokenizer.json"
+    if not file.is_file():
+        return None
+    tokenizer = Tokenizer.from_file(str(file))
+    text = lambda r: r.prompt if r.prompt is not None else "".join(f"{role}: {content}\n" for role, content in r.messages) + "assistant:"
+    return lambda r: tokenizer.encode(text(r)).ids
 
 
 def _static_cells(run: Run, fit: CostFit) -> pd.DataFrame:

@@ -369,7 +369,9 @@ def window_profiles(trace: Trace, window: int = 50) -> list[AcceptanceProfile]:
 #   max_prefill_tokens); each gains its first token when the step ends. Otherwise every running request decodes:
 #   the policy picks g for the batch; a request that has p output tokens accepts min(accepted at the horizon at p, g)
 #   drafts and gains that + 1 tokens (cut at its output length); the policy is fed the accepted drafts, as the
-#   engine does.
+#   engine does. The step costs the drafts the engine verifies: g, or 0 when no request of the batch drafted (an
+#   n-gram proposer that found no match; AcceptanceDraws.drafted). Step costs are walls, start to next start (the
+#   tokens are handed out at the end of a wall: measured, chunks reach the client then, spectune.calibration).
 # - A request finishes (frees its engine slot and its client slot) at the end of the step that completes it.
 
 
@@ -398,10 +400,12 @@ class AcceptanceDraws:
 
     horizon: int
     accepted: np.ndarray  # [N, P] int, P >= the largest output length
+    drafted: np.ndarray | None = None  # [N, P] bool: the proposer offered drafts (None: always); accepted is 0 where not
 
 
 def draw_acceptance(traffic: Traffic, profiles: dict[str, PositionalAcceptance], horizon: int, seed: int) -> AcceptanceDraws:
-    """Every request's accepted drafts at every output position, drawn (seeded) from its group's acceptance there."""
+    """Every request's accepted drafts at every output position, drawn (seeded) from its group's acceptance there
+    (and, where the profiles say how often the proposer drafts at all, whether it did)."""
     missing = sorted(set(traffic.groups) - set(profiles))
     if missing:
         raise SpectuneError(f"traffic {traffic.name}: no acceptance for group(s) {', '.join(missing)}; give a profile for each")
@@ -410,8 +414,16 @@ def draw_acceptance(traffic: Traffic, profiles: dict[str, PositionalAcceptance],
     draws = rng.random((traffic.num_requests, positions, horizon))  # [N, P, H]
     by_group = {g: profiles[g].rate_matrix(positions, horizon) for g in set(traffic.groups)}  # [P, H] each
     rates = np.stack([by_group[g] for g in traffic.groups])  # [N, P, H]
+    if any(profiles[g].request_offsets for g in set(traffic.groups)):  # each request as easy as one measured request
+        theta = np.array([rng.choice(profiles[g].request_offsets) if profiles[g].request_offsets else 0.0 for g in traffic.groups])
+        clipped = np.clip(rates, 1e-4, 1 - 1e-4)
+        rates = 1 / (1 + np.exp(-(np.log(clipped / (1 - clipped)) + theta[:, None, None])))
     accepted = np.cumprod(draws < rates, axis=2).sum(axis=2)  # [N, P]: leading accepted drafts
-    return AcceptanceDraws(horizon=horizon, accepted=accepted)
+    if not any(profiles[g].drafted for g in set(traffic.groups)):
+        return AcceptanceDraws(horizon=horizon, accepted=accepted)
+    shares = np.stack([profiles[g].drafted_vector(positions) for g in traffic.groups])  # [N, P]
+    drafted = rng.random((traffic.num_requests, positions)) < shares
+    return AcceptanceDraws(horizon=horizon, accepted=accepted * drafted, drafted=drafted)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -419,7 +431,7 @@ class RequestSimResult:
     policy: str
     requests: pd.DataFrame  # per request: group, arrival/send/first_token/finish ms, ttft/tpot/e2e ms (from arrival),
     # ttft/e2e_from_send_ms, queue_delay_ms, tokens, rounds
-    steps: pd.DataFrame  # per engine step: start_ms, kind, batch_size, steps, tokens, ms
+    steps: pd.DataFrame  # per engine step: start_ms, kind, batch_size, steps, tokens, ms; decode: at_horizon, drafted
 
     @property
     def ttft_ms(self) -> float:
@@ -463,14 +475,27 @@ def simulate_requests(
     inbox: deque[int] = deque()  # sent, not yet taken in by the engine
     waiting: deque[int] = deque()
     running: list[int] = []
-    steps: list[tuple[float, str, int, int, int, float]] = []
-    next_send, done, t = 0, 0, 0.0
+    steps: list[tuple] = []
+    free_slots = list(range(max_num_seqs))  # heap: the scheduler hands out the lowest free KV-cache slot
+    slot = np.zeros(n, dtype=np.int64)
+    next_send, done, t, just_finished = 0, 0, 0.0, 0
 
     def end(i: int) -> None:
+        nonlocal just_finished
         finish[i] = t
         running.remove(i)
+        heapq.heappush(free_slots, int(slot[i]))
+        just_finished += 1
         if client_free is not None:
-            heapq.heappush(client_free, t)
+            heapq.heappush(client_free, t + cost.stream_end_ms)
+
+    def wall(start: float, ms: float, per_intake: float) -> float:
+        """A step's end: its own cost, the stream ends of the requests finished at the step before, and every request
+        the server takes in meanwhile (ServingCost)."""
+        ms += cost.finish_ms * just_finished
+        if per_intake:
+            ms += per_intake * sum(1 for i in inbox if start < ready[i] <= start + ms)
+        return start + ms
 
     while done < n:
         while next_send < n and (client_free is None or client_free):  # the client sends all it may by now
@@ -492,10 +517,13 @@ def simulate_requests(
             budget -= prompt[admitted[-1]]
             running.append(admitted[-1])
         if admitted:
-            t += cost.t_prefill(prompt[admitted].tolist())
+            for i in admitted:
+                slot[i] = heapq.heappop(free_slots)
+            t = wall(start, cost.t_prefill(prompt[admitted].tolist()), cost.prefill_intake_ms)
+            just_finished = 0
             first[admitted] = t
             generated[admitted] = 1
-            steps.append((start, "prefill", len(admitted), 0, len(admitted), t - start))
+            steps.append((start, "prefill", len(admitted), 0, len(admitted), t - start, (), False))
             for i in admitted:
                 if output[i] <= 1:
                     end(i)
@@ -503,24 +531,33 @@ def simulate_requests(
             continue
         batch = np.array(running)  # [B]
         at_horizon = draws.accepted[batch, generated[batch]]  # [B]
+        drafted = draws.drafted is None or bool(draws.drafted[batch, generated[batch]].any())
         remaining = output[batch] - generated[batch]
         g = live.choose(at_horizon, remaining)
         accepted = np.minimum(at_horizon, g)
         gained = np.minimum(accepted + 1, remaining)
-        t += cost.decode.t_round(len(batch), g)
+        # The engine verifies as many drafts as were offered, and reads the KV cache through a view only when the
+        # batch's slots are one run (else it gathers the rows).
+        ms = cost.decode.t_round(len(batch), 0) if g == 0 else cost.decode.t_speculative(len(batch), g if drafted else 0)
+        if np.ptp(slot[batch]) + 1 != len(batch):
+            ms += cost.gather_ms_per_seq * len(batch)
+        t = wall(start, ms, cost.intake_interference_ms)
+        just_finished = 0
         generated[batch] += gained
         rounds[batch] += 1
         live.feedback(accepted.tolist(), len(batch))
-        steps.append((start, "decode", len(batch), g, int(gained.sum()), t - start))
+        steps.append((start, "decode", len(batch), g, int(gained.sum()), t - start, tuple(at_horizon.tolist()), drafted))
         for i in batch[generated[batch] >= output[batch]].tolist():
             end(i)
             done += 1
+    first, finish = first + cost.delivery_ms, finish + cost.delivery_ms  # when the client sees the chunks
     arrival = traffic.arrival_ms
     ttft, e2e = first - arrival, finish - arrival
     requests = pd.DataFrame({
         "group": list(traffic.groups),
         "arrival_ms": traffic.arrival_ms,
         "send_ms": send,
+        "ready_ms": ready,  # taken in by the server, handed to the engine
         "first_token_ms": first,
         "finish_ms": finish,
         "ttft_ms": ttft,
@@ -533,7 +570,7 @@ def simulate_requests(
         "output_tokens": output,
         "decode_rounds": rounds,
     })
-    timeline = pd.DataFrame(steps, columns=["start_ms", "kind", "batch_size", "steps", "tokens", "ms"])
+    timeline = pd.DataFrame(steps, columns=["start_ms", "kind", "batch_size", "steps", "tokens", "ms", "at_horizon", "drafted"])
     return RequestSimResult(policy=policy.label, requests=requests, steps=timeline)
 
 

@@ -239,6 +239,7 @@ def _served_tokenizer(spec: ServerSpec):
 def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, progress: SweepProgress, tokenizer=None) -> dict:
     from spectune.analysis import Slo, acceptance, request_frame, summarize_cell
     from spectune.loadgen import run_requests
+    from spectune.hostload import ForeignLoad
     from spectune.servers.memory import MemorySampler
     from spectune.servers.running import GaugeSampler, in_flight_mean, log_size, round_log_batch_mean
 
@@ -255,9 +256,11 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, progress: Swe
     # open loop: the batch size the server ran is not the cell's; without a round log, sample its running gauge
     gauge = GaugeSampler(lambda: server.scrape().num_running) if cell.request_rate is not None and round_log is None else None
     offsets: dict[str, int | None] = {}
+    foreign = ForeignLoad([os.getpid(), server.pid()])
     interrupted = False
     try:
         sampler.start()
+        foreign.start()
         scrapes: list = []
 
         def reset_and_scrape() -> None:  # a warm-up fills the prefix cache with these very prompts
@@ -288,6 +291,7 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, progress: Swe
         row["status"], row["error"] = "failed", f"{type(e).__name__}: {e}"
     finally:
         mem = sampler.stop()
+        row["foreign_cpu_cores"] = foreign.stop()  # other work on this machine during the cell (spectune.hostload)
         row["mem_peak_mb"], row["mem_mean_mb"], row["mem_source"] = mem.peak_mb, mem.mean_mb, mem.source
         gauged = gauge.stop() if gauge is not None else None
     measured = [r for r in records if not r.warmup]

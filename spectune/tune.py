@@ -43,6 +43,7 @@ class TuneOptions:
     method: str | None = None  # the speculative method to tune; None = the one that measured fastest (costmodel.fastest_method)
     traffic: str | None = None  # replay objectives: workload name or file with arrival_s; None = the sweep's
     max_concurrency: int | None = None  # replay objectives: requests in flight and engine slots; None = the sweep's largest batch size
+    exhaustive: bool = True  # also score an exhaustive grid of SGLang configs (spectune.exhaustive; a minute or two)
 
 
 @dataclass(slots=True)
@@ -53,6 +54,7 @@ class TuneOutcome:
     num_failed: int
     summary: pd.DataFrame | None = None  # comparisons (None for a worker)
     files: list[Path] = field(default_factory=list)
+    verdict_lines: list[str] = field(default_factory=list)  # tuning.json's verdict and exhaustive texts
 
 
 def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcome:
@@ -74,7 +76,21 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcom
     if not options.worker:
         outdir = options.out_dir or Path(options.results_dir) / "tuned"
         outcome.summary, outcome.files = finalize(study, bench, run.cells, run.manifest, options, outdir, outcome, log)
+        outcome.verdict_lines = verdict_lines(outdir / "tuning.json")
     return outcome
+
+
+def verdict_lines(tuning_json: Path) -> list[str]:
+    """What tuning.json says a user should conclude: the verdict (measured or simulated) and the exhaustive bound."""
+    import json
+
+    report = json.loads(tuning_json.read_text())
+    lines = []
+    if "verdict" in report:
+        lines.append(f"verdict ({report['verdict']['source']}): {report['verdict']['text']}")
+    if "exhaustive" in report:
+        lines.append(f"exhaustive: {report['exhaustive']['text']}")
+    return lines
 
 
 def load_results(results_dir: str | Path) -> Run:

@@ -131,7 +131,7 @@ def test_replay_predicts_what_the_engine_measures_on_a_replayed_trace(sweeps):
 def test_tune_on_e2e_scores_every_comparison_on_the_replayed_traffic(sweeps, tmp_path):
     workload, closed, _ = sweeps
     results = Path(shutil.copytree(closed, tmp_path / "run"))  # tune writes study.db into the results directory
-    outcome = tune(TuneOptions(results_dir=results, objective="e2e", trials=6, seed=0, method="ngram", traffic=str(workload),
+    outcome = tune(TuneOptions(results_dir=results, objective="e2e", trials=6, seed=0, method="ngram", traffic=str(workload), exhaustive=False,
                                max_concurrency=BURST), log=lambda _: None)
     report = json.loads((results / "tuned" / "tuning.json").read_text())
     assert report["objective"] == "e2e" and "e2e_ms" in report["score"]
@@ -149,6 +149,6 @@ def test_tune_on_e2e_scores_every_comparison_on_the_replayed_traffic(sweeps, tmp
     assert rows["tuned_adaptive"]["speedup"] >= max(s for g, s in statics.items() if int(g) > 0) * (1 - 1e-9)
     assert outcome.num_complete == 6
     # another concurrency is another objective: its trials go to a study of their own, not into this one
-    other = tune(TuneOptions(results_dir=results, objective="e2e", trials=2, seed=0, method="ngram", traffic=str(workload),
+    other = tune(TuneOptions(results_dir=results, objective="e2e", trials=2, seed=0, method="ngram", traffic=str(workload), exhaustive=False,
                              max_concurrency=BURST // 2), log=lambda _: None)
     assert other.study_name != outcome.study_name and other.num_complete == 2

@@ -44,7 +44,7 @@ def test_tune_synthetic_results_recovers_model_and_writes_valid_configs(results,
     (tmp_path / "models" / "draft").mkdir(parents=True)
     (tmp_path / "models" / "draft" / "config.json").write_text("{}")  # a Hugging Face directory: what vLLM loads
     monkeypatch.chdir(tmp_path)
-    outcome = tune(TuneOptions(results_dir=results, trials=60, seed=0, draft_model="models/draft"), log=lambda _: None)
+    outcome = tune(TuneOptions(results_dir=results, trials=60, seed=0, draft_model="models/draft", exhaustive=False), log=lambda _: None)
     tuned = results / "tuned"
     assert {p.name for p in outcome.files} == {"adaptive_spec.json", "vllm_speculative_config.json", "llamacpp_flags.txt",
                                                "deploy.md", "tuning.json"}
@@ -102,7 +102,7 @@ def test_single_workload_run_takes_phase_acceptance_from_its_round_log(tmp_path)
 
 def test_configs_invalid_for_the_sglang_version_are_fail_trials_and_the_study_goes_on(results):
     # SGLang 0.5.13 has no step 0: every trial whose ladders hold 0 is invalid there.
-    outcome = tune(TuneOptions(results_dir=results, trials=15, seed=0, sglang_version="0.5.13", draft_model="d"), log=lambda _: None)
+    outcome = tune(TuneOptions(results_dir=results, trials=15, seed=0, sglang_version="0.5.13", draft_model="d", exhaustive=False), log=lambda _: None)
     assert outcome.num_failed >= 1 and outcome.num_complete >= 1 and outcome.num_failed + outcome.num_complete == 15
     study = optuna.load_study(study_name=outcome.study_name, storage=f"sqlite:///{results / 'study.db'}")
     failed = [t for t in study.trials if t.state == TrialState.FAIL]
@@ -133,7 +133,7 @@ def test_cli_worker_runs_trials_only_then_trials_0_writes_configs(results, spect
     worker = subprocess.run([*spectune_cmd, "tune", str(results), "--worker", "--trials", "4"], capture_output=True, text=True)
     assert worker.returncode == 0, worker.stderr
     assert "4 complete" in worker.stdout and not (results / "tuned").exists()
-    final = subprocess.run([*spectune_cmd, "tune", str(results), "--trials", "0", "--draft-model", "d", "--out", str(results / "cfg")],
+    final = subprocess.run([*spectune_cmd, "tune", str(results), "--trials", "0", "--draft-model", "d", "--out", str(results / "cfg"), "--no-exhaustive"],
                            capture_output=True, text=True)
     assert final.returncode == 0, final.stderr
     report = json.loads((results / "cfg" / "tuning.json").read_text())
@@ -208,7 +208,7 @@ def test_two_workers_share_one_postgresql_study(results, postgres_url, spectune_
     by_worker = {t.user_attrs["worker"] for t in complete}
     assert by_worker == {f"{socket.gethostname()}:{w.pid}" for w in workers}  # both contributed
 
-    final = subprocess.run([*spectune_cmd, "tune", str(results), "--storage", postgres_url, "--trials", "0", "--draft-model", "d"],
+    final = subprocess.run([*spectune_cmd, "tune", str(results), "--storage", postgres_url, "--trials", "0", "--draft-model", "d", "--no-exhaustive"],
                            capture_output=True, text=True)
     assert final.returncode == 0, final.stderr
     text = (results / "tuned" / "tuning.json").read_text()

@@ -78,6 +78,9 @@ def test_tune_on_an_embedded_sweep_writes_configs_sglang_loads_and_the_engine_ru
     assert report["traces"][0]["name"] == "ngram-g2"  # the largest static g's round log
     scores = {c["name"]: c["speedup"] for c in report["comparisons"]}
     assert set(scores) >= COMPARISONS
+    # before any measured confirmation the verdict is the simulation's, labelled so; the grid bounds the search
+    assert report["verdict"]["source"] == "simulated" and "spectune confirm" in report["verdict"]["text"]
+    assert report["exhaustive"]["best_speedup"] >= scores["tuned_adaptive"] - 1e-12
     assert all(math.isfinite(s) and s > 0 for s in scores.values()), scores
     # The study starts from the best static g >= 1 and the best schedule (when it speculates at all), so
     # tuning never ends below either, however few the trials.

@@ -112,7 +112,7 @@ def test_bad_lines_name_file_and_line(tmp_path, line, message):
 
 
 def test_unknown_source_lists_the_shipped_sets():
-    with pytest.raises(SpectuneError, match="code, phase, quote, random"):
+    with pytest.raises(SpectuneError, match="code, heldout, phase, quote, random, shift"):
         load_requests("no-such-set")
 
 

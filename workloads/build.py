@@ -9,6 +9,8 @@ with CPython 3.11.7). Prompts are 150-600 characters (~40-150 tokens of a 2k-voc
 - random: seeded random words; nothing to copy or predict (drafts help least)
 - phase:  quote/code phases alternating with random ones, arriving in bursts of 1, 4 and 16 so both
           acceptance and the number of concurrent requests shift over time (replay with Trace)
+- heldout: the phase set's kinds in another order, Poisson arrivals (POISSON_SETS)
+- shift:  long quote and random phases at a high and a low request rate (POISSON_SETS): where the step policy matters
 """
 
 from __future__ import annotations
@@ -40,6 +42,16 @@ MODULES = (
 PHASES = (("quote", 1), ("random", 1), ("code", 4), ("random", 4), ("quote", 16), ("random", 16), ("code", 4), ("random", 1))
 BURSTS_PER_PHASE = 4
 BURST_GAP_S = 0.5
+# Open-loop sets with Poisson arrivals: (kind, requests, arrivals per s, max_tokens) per phase.
+POISSON_SETS = {
+    # The phase set's kinds in another order and arrival process: traffic the replay is checked on, never fitted on.
+    "heldout": (("random", 12, 4.0, 48), ("code", 24, 12.0, 48), ("quote", 32, 24.0, 48), ("random", 24, 16.0, 48),
+                ("quote", 12, 3.0, 48), ("code", 16, 8.0, 48)),
+    # Where the step policy matters: long phases of random words at a high request rate (batches of 8-16, where n-gram
+    # drafts cost more to verify than they bring) and of copying at a moderate rate (batches of 1-8, drafts nearly
+    # all accepted), so the best g moves with the phase and the batch size, and a policy has time to follow it.
+    "shift": (("random", 80, 40.0, 48), ("quote", 64, 8.0, 48), ("random", 80, 40.0, 48), ("quote", 64, 8.0, 48)),
+}
 
 
 def module_trees() -> list[tuple[str, ast.Module, str]]:
@@ -119,7 +131,22 @@ def build() -> dict[str, list[dict]]:
                 phase.append({"prompt": prompt, "max_tokens": MAX_TOKENS, "arrival_s": round(t, 3), "tag": kind})
             t += BURST_GAP_S
     sets["phase"] = phase
+    for name, phases in POISSON_SETS.items():  # after the phase set, so its prompts stay what they were
+        sets[name] = poisson_set(pools, next_item, phases, random.Random(f"{SEED}-{name}"))
     return sets
+
+
+def poisson_set(pools: dict[str, list[str]], next_item: dict[str, int], phases, rng: random.Random) -> list[dict]:
+    """Phases of (kind, requests, rate per s, max_tokens): each request of a phase arrives after an exponential gap at
+    that phase's rate (seeded), drawing the next unused prompt of its kind."""
+    rows, t = [], 0.0
+    for kind, count, rate, max_tokens in phases:
+        for _ in range(count):
+            prompt = pools[kind][next_item[kind] % len(pools[kind])]
+            next_item[kind] += 1
+            rows.append({"prompt": prompt, "max_tokens": max_tokens, "arrival_s": round(t, 3), "tag": kind})
+            t += rng.expovariate(rate)
+    return rows
 
 
 def main() -> None:

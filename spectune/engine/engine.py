@@ -101,12 +101,13 @@ class LLMEngine:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds max_model_len {self.max_model_len}")
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: int | None = None) -> int:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: int | None = None,
+                    received_s: float | None = None, submitted_s: float | None = None) -> int:
         self.check_request(prompt_ids, params)
         request_id = next(self._ids) if request_id is None else request_id
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         generator = torch.Generator().manual_seed(seed)
-        self.scheduler.add(Sequence(request_id, list(prompt_ids), params, generator))
+        self.scheduler.add(Sequence(request_id, list(prompt_ids), params, generator, received_s=received_s, submitted_s=submitted_s))
         return request_id
 
     def new_request_id(self) -> int:
@@ -116,16 +117,17 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
+        start_s = time.perf_counter()
         batch = self.scheduler.schedule()
         with torch.inference_mode():
             if batch.is_prefill:
                 new_tokens = self.runner.prefill(batch.seqs)
-                self._record_prefill(batch.seqs)
+                self._record_prefill(batch.seqs, start_s)
             else:
                 num_steps = self.step_policy.steps_for_batch(len(batch.seqs))
                 result = self.runner.speculate(batch.seqs, num_steps)
                 self.step_policy.on_verify_complete(result.accepted, len(batch.seqs))
-                self._record_round(result)
+                self._record_round(result, [s.request_id for s in batch.seqs], start_s)
                 new_tokens = result.new_tokens
         outputs = self.scheduler.postprocess(batch.seqs, new_tokens)
         with self.metrics_lock:
@@ -151,7 +153,7 @@ class LLMEngine:
         used = sum(seq.num_tokens for seq in list(self.scheduler.running))
         return used / (self.config.max_num_seqs * self.max_model_len)
 
-    def _record_round(self, result: RoundResult) -> None:
+    def _record_round(self, result: RoundResult, request_ids: list[int], start_s: float) -> None:
         self.num_steps = result.num_steps
         with self.metrics_lock:
             m = self.metrics
@@ -169,33 +171,51 @@ class LLMEngine:
                 for pos in range(accepted):
                     m.accepted_per_pos[pos] += 1
         if self._round_log is not None:
+            now = time.perf_counter()
             line = {
-                "t_s": round(time.perf_counter() - self._start, 6),
+                "t_s": round(now - self._start, 6),
                 "batch_size": len(result.proposed),
                 "num_steps": result.num_steps,
                 "proposed": result.proposed,
                 "accepted": result.accepted,
                 "round_ms": round(result.round_ms, 4),
+                **_clocks(start_s, now),
+                "request_ids": request_ids,
             }
             self._round_log.write(json.dumps(line) + "\n")
 
-    def _record_prefill(self, seqs: list[Sequence]) -> None:
+    def _record_prefill(self, seqs: list[Sequence], start_s: float) -> None:
         """A prefill step in the round log: the request-level simulator fits prefill and step costs from the gaps
         between consecutive lines (spectune.costmodel.read_step_log); trace readers skip these lines."""
         if self._round_log is None:
             return
+        now = time.perf_counter()
         line = {
-            "t_s": round(time.perf_counter() - self._start, 6),
+            "t_s": round(now - self._start, 6),
             "prefill": True,
             "batch_size": len(seqs),
             "prompt_tokens": [len(s.prompt_ids) for s in seqs],
             "num_running": len(self.scheduler.running) - len(seqs),  # decoding before this step: > 0 means no idle gap
+            **_clocks(start_s, now),
+            "request_ids": [s.request_id for s in seqs],
+            "received_s": [_clock(s.received_s) for s in seqs],
+            "submitted_s": [_clock(s.submitted_s) for s in seqs],
         }
         self._round_log.write(json.dumps(line) + "\n")
 
     def close(self) -> None:
         if self._round_log is not None:
             self._round_log.close()
+
+
+def _clock(t: float | None) -> float | None:
+    return None if t is None else round(t, 6)
+
+
+def _clocks(start_s: float, end_s: float) -> dict[str, float]:
+    """A step's start and end on the machine's monotonic clock (time.perf_counter(), CLOCK_MONOTONIC on Linux: the
+    load generator's perf_counter_ns stamps share it), so a replay can be checked against the client's chunk times."""
+    return {"start_s": round(start_s, 6), "end_s": round(end_s, 6)}
 
 
 def _shipped():
@@ -242,13 +262,15 @@ class EngineThread:
         self._thread.join()
         self.engine.close()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None]) -> int:
-        """Validate (ValueError on a bad request) and queue; returns the request id."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
+               received_s: float | None = None) -> int:
+        """Validate (ValueError on a bad request) and queue; returns the request id. received_s: when the server began
+        reading the request (perf_counter), for the round log."""
         self.engine.check_request(prompt_ids, params)
         request_id = self.engine.new_request_id()
         with self._pending_lock:
             self._pending_adds += 1
-        self._inbox.put(("add", request_id, (prompt_ids, params, on_output)))
+        self._inbox.put(("add", request_id, (prompt_ids, params, on_output, received_s, time.perf_counter())))
         return request_id
 
     def abort(self, request_id: int) -> None:
@@ -285,9 +307,9 @@ class EngineThread:
                 return
             block = False
             if kind == "add":
-                prompt_ids, params, on_output = payload
+                prompt_ids, params, on_output, received_s, submitted_s = payload
                 self._callbacks[request_id] = on_output
-                self.engine.add_request(prompt_ids, params, request_id)
+                self.engine.add_request(prompt_ids, params, request_id, received_s, submitted_s)
                 with self._pending_lock:
                     self._pending_adds -= 1
             elif kind == "abort":

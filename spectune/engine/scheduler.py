@@ -46,6 +46,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None
     finish_reason: str | None = None
+    received_s: float | None = None  # perf_counter() when the server began reading the request (round log only)
+    submitted_s: float | None = None  # perf_counter() when it was handed to the engine thread (round log only)
 
     @property
     def token_ids(self) -> list[int]:

@@ -176,6 +176,7 @@ class Server:
         return await self._generate(request, is_chat=True)
 
     async def _generate(self, request: web.Request, is_chat: bool) -> web.StreamResponse:
+        received_s = time.perf_counter()
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -184,7 +185,8 @@ class Server:
             req = parse_request(body, self.codec, is_chat, self.engine.max_model_len)
             queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
             loop = asyncio.get_running_loop()
-            request_id = self.loop_thread.submit(req.prompt_ids, req.params, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+            request_id = self.loop_thread.submit(req.prompt_ids, req.params, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out),
+                                                 received_s)
         except ValueError as exc:  # BadRequest, or the engine's own request check
             return _error(400, str(exc))
         try:

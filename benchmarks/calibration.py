@@ -1,0 +1,88 @@
+"""The request-level replay against the embedded engine, per server, before and after calibration, on traffic the
+replay was not fitted on.
+
+    python benchmarks/calibration.py RESULTS [--traffic heldout] [--passes 2] [--measure] [--out DIR] [--passes-dir DIR]
+
+RESULTS is a closed-loop sweep tuned by `spectune tune` on a replay objective (its tuned/ holds the tuned config).
+With --measure, the four servers `spectune confirm` runs (target-only, the best static g, the tuned config, SGLang's
+default config) are run on the traffic (a workload with arrival_s), `--passes` times with the server order rotated,
+into DIR/<traffic>/pass-NN (resumable: finished passes are kept). Then every measured run under DIR/<traffic> is
+replayed (or those of --passes-dir, e.g. a `spectune confirm` directory) with the replay fitted on RESULTS two ways:
+- before: the fit of spectune 0.x before calibration (step costs from round-log gaps at the swept batch sizes, a
+  decode step charged its policy's g whatever was drafted, acceptance from the streamed chunks);
+- after: spectune.calibration (step clocks, verify width, the engine's own request-rounds with the drafted share).
+Passes spectune confirm would not count (other work on the machine, or the engine more than 15% slower than in the
+same server's median pass) are left out and listed. Prints predicted vs measured mean TTFT, TPOT and e2e per server
+and the relative errors; writes DIR/<traffic>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from spectune.calibration import replay_vs_measured
+from spectune.confirm import step_cost, confirm_plan, pass_complete, pass_plan, pass_table, read_tuning
+from spectune.store import load_run
+from spectune.sweep import run_sweep
+
+
+def measure(results: Path, traffic: str, out: Path, passes: int) -> None:
+    tuning = read_tuning(results / "tuned")
+    servers, raw = confirm_plan(load_run(results).manifest, tuning, results / "tuned", out, None)
+    from spectune.workload import load_requests
+
+    raw |= {"workload": traffic, "min_prompts": len(load_requests(traffic))}
+    for i in range(passes):
+        pass_dir = out / f"pass-{i + 1:02d}"
+        if not pass_complete(pass_dir):
+            outcome = run_sweep(pass_plan(raw, servers, i), pass_dir, resume=(pass_dir / "run.json").exists())
+            if outcome.interrupted or outcome.failed:
+                raise SystemExit(f"{pass_dir}: interrupted or failed; run again to resume")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--traffic", default="heldout")
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--measure", action="store_true")
+    parser.add_argument("--out", type=Path, help="default: RESULTS/calibration")
+    parser.add_argument("--draws", type=int, default=5)
+    parser.add_argument("--passes-dir", type=Path, help="replay the passes of this directory (e.g. RESULTS/confirm) instead")
+    args = parser.parse_args()
+    out = args.passes_dir or (args.out or args.results / "calibration") / Path(args.traffic).stem
+    if args.measure:
+        measure(args.results, args.traffic, out, args.passes)
+    passes = sorted(p for p in out.glob("pass-*") if pass_complete(p))
+    if not passes:
+        raise SystemExit(f"{out}: no measured passes; run with --measure")
+    fit_run = load_run(args.results)
+    tuning = read_tuning(args.results / "tuned")
+    method = tuning["method"]
+    # The rule spectune confirm counts passes by: none with other work on the machine, none where the engine ran
+    # more than 15% slower than in the same server's median pass (a constant error of the replay cancels there).
+    table = pass_table(out, len(passes), "e2e_ms_mean", 0.3, step_cost(fit_run, tuning), 0.15)
+    disturbed = sorted(int(p) for p in table.loc[table["disturbed"], "pass"].unique())
+    runs = [load_run(p) for p in passes if int(p.name.split("-")[1]) not in disturbed]
+    print(f"{len(passes)} passes measured; not counted (disturbed): {disturbed or 'none'}")
+    print(table.pivot_table(index="pass", columns="server", values="speed_index").round(2).to_string())
+    tables = {}
+    for label, calibrated in (("before", False), ("after", True)):
+        tables[label] = replay_vs_measured(fit_run, runs, calibrated=calibrated, method=method, draws=args.draws)
+    pd.set_option("display.width", 220)
+    for label, table in tables.items():
+        print(f"\n{label} calibration: replay fitted on {args.results.name}, traffic {runs[0].manifest['plan']['workload']} ({len(runs)} measured passes)")
+        cols = ["server"] + [f"{m}_{k}" for m in ("ttft_ms", "tpot_ms", "e2e_ms") for k in ("measured", "predicted", "error")]
+        print(table[cols].to_string(index=False, float_format="%.3f"))
+    foreign = pd.concat([r.cells for r in runs])["foreign_cpu_cores"]
+    print(f"\nother work on the machine during the counted cells: mean {foreign.mean():.2f} cores, max {foreign.max():.2f}")
+    record = {k: t.to_dict("records") for k, t in tables.items()} | {"passes": len(passes), "not_counted": disturbed}
+    (out.parent / f"{out.name}.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+"""The request-level replay calibrated against the embedded engine it stands for (spectune.simulate.simulate_requests):
+its serving-cost terms and acceptance fitted from a closed-loop sweep's step logs joined with the load generator's
+records (spectune.steplog), the replay set beside a measured run, and how fast the engine ran in a run (speed index).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from spectune.costmodel import (
+    MIN_BUCKET_ROUNDS,
+    MIN_REQUEST_OVERHEAD_MS,
+    POSITION_BUCKET_TOKENS,
+    PositionalAcceptance,
+    RoundCost,
+    ServingCost,
+    _line_fit,
+    fit_positional_acceptance,
+)
+from spectune.errors import SpectuneError
+from spectune.steplog import cell_windows, engine_requests, in_windows, join_requests, step_frame
+
+# --- fitting the replay's terms ----------------------------------------------------------------------------------
+
+MAX_FOREIGN_CORES = 0.25  # cells measured while other work used more of the machine are left out of the fit
+MIN_STEPS = 10  # steps per (batch size, width) below which a median wall is not trusted
+
+
+def quiet_cells(cells: pd.DataFrame, max_foreign: float = MAX_FOREIGN_CORES) -> pd.DataFrame:
+    """The ok cells measured while other work used at most max_foreign cores (all ok cells when the sweep did
+    not record it, or when none was that quiet)."""
+    ok = cells[cells["status"] == "ok"]
+    if "foreign_cpu_cores" not in ok:
+        return ok
+    quiet = ok[ok["foreign_cpu_cores"].fillna(0.0) <= max_foreign]
+    return quiet if not quiet.empty else ok
+
+
+@dataclass(frozen=True, slots=True)
+class StepEffects:
+    """What else a decode step's wall depends on (ms), fitted by least squares with one fixed effect per (server,
+    batch size, width): gather per sequence of a batch not in one run of slots, per request taken in during the
+    step, per request finished at the step before."""
+
+    gather_ms_per_seq: float
+    intake_ms: float
+    finish_ms: float
+    steps: int
+
+
+def fit_step_effects(steps: pd.DataFrame) -> StepEffects:
+    """StepEffects from decode steps with a wall (columns of step_frame, plus server); groups with fewer than
+    MIN_STEPS steps are left out. A negative estimate (noise) is taken as 0."""
+    decode = steps[(steps["kind"] == "decode") & steps["wall_ms"].notna()]
+    group = decode["server"].astype(str) + "|" + decode["batch_size"].astype(str) + "|" + decode["width"].astype(str)
+    decode = decode[group.map(group.value_counts()) >= MIN_STEPS]
+    group = group[decode.index]
+    codes, _ = pd.factorize(group)
+    fixed = np.zeros((len(decode), codes.max() + 1))
+    fixed[np.arange(len(decode)), codes] = 1.0
+    effects = np.column_stack([decode["batch_size"] * ~decode["contiguous"].astype(bool), decode["num_intakes"], decode["num_finished_before"]])
+    coef, *_ = np.linalg.lstsq(np.column_stack([fixed, effects.astype(float)]), decode["wall_ms"].to_numpy(float), rcond=None)
+    gather, intake, finish = (max(0.0, float(c)) for c in coef[-3:])
+    return StepEffects(gather, intake, finish, len(decode))
+
+
+def fit_step_costs(steps: pd.DataFrame, batch_sizes) -> RoundCost:
+    """Decode wall per batch size from clean steps (slots in one run, no request taken in or finished around them;
+    StepEffects covers those) of target-only and static servers: target_ms = the median wall of steps that ran no
+    proposer; for steps that did, the median wall per width (drafts verified per request; 0 when no request was
+    offered any) and a line in the width: draft_fixed_ms = its intercept over target_ms (the proposer's own cost),
+    per_step_ms = its slope (a negative one: flat, as costmodel.fit_sweep). Batch sizes: those with MIN_STEPS clean
+    steps without a proposer and at two widths (or one, g >= 1) with it."""
+    decode = steps[(steps["kind"] == "decode") & steps["wall_ms"].notna()]
+    decode = decode[decode["contiguous"].astype(bool) & (decode["num_intakes"] == 0) & (decode["num_finished_before"] == 0)]
+    plain = decode[decode["num_steps"] == 0].groupby("batch_size")["wall_ms"].agg(["median", "size"])
+    plain = plain[plain["size"] >= MIN_STEPS]["median"]
+    spec = decode[decode["num_steps"] > 0].groupby(["batch_size", "width"])["wall_ms"].agg(["median", "size"])
+    spec = spec[spec["size"] >= MIN_STEPS]["median"]
+    rows = []
+    for bs in sorted(set(plain.index) & set(spec.index.get_level_values(0))):
+        at = spec.loc[bs]
+        w, t, t0 = at.index.to_numpy(float), at.to_numpy(float), float(plain[bs])
+        if len(w) >= 2 and (line := _line_fit(w, t))[1] >= 0:
+            fixed, slope = line[0] - t0, line[1]
+        elif len(w) >= 2:
+            fixed, slope = float(t.mean()) - t0, 0.0
+        elif w[0] > 0:  # one width: no fixed cost can be told apart
+            fixed, slope = 0.0, max(0.0, float((t[0] - t0) / w[0]))
+        else:
+            continue
+        rows.append((int(bs), t0, float(fixed), float(slope)))
+    if not rows:
+        raise SpectuneError(f"round logs: no batch size has {MIN_STEPS}+ clean decode steps both without and with drafts")
+    bss, target, fixed, per_step = zip(*rows)
+    return RoundCost(batch_sizes=bss, target_ms=target, draft_fixed_ms=fixed, per_step_ms=per_step)
+
+
+def fit_prefill(steps: pd.DataFrame) -> tuple[float, float, float]:
+    """Prefill wall = fixed + per_token x padded tokens + per_intake x requests taken in meanwhile: least squares
+    on the compute of every prefill step (exact even when the engine idled before it), plus the median hand-out time
+    after a prefill (wall - compute). Returns (fixed, per_token, per_intake)."""
+    prefill = steps[steps["kind"] == "prefill"]
+    if len(prefill) < 3:
+        raise SpectuneError("round logs: fewer than 3 prefill steps logged")
+    X = np.column_stack([np.ones(len(prefill)), prefill["padded_tokens"], prefill["num_intakes"]]).astype(float)
+    fixed, per_token, per_intake = np.linalg.lstsq(X, prefill["compute_ms"].to_numpy(float), rcond=None)[0]
+    if fixed < 0:
+        fixed = 0.0
+        per_token, per_intake = np.linalg.lstsq(X[:, 1:], prefill["compute_ms"].to_numpy(float), rcond=None)[0]
+    post = (prefill["wall_ms"] - prefill["compute_ms"]).dropna()
+    return float(fixed + (post.median() if not post.empty else 0.0)), float(per_token), max(0.0, float(per_intake))
+
+
+def fit_client_side(steps: pd.DataFrame, requests: pd.DataFrame) -> tuple[float, float]:
+    """(delivery_ms, stream_end_ms): medians over matched requests of their first and last chunk's arrival at the
+    client, and of their stream's end there, after the end of the wall of the step that produced them (the replay's
+    step end: the next step's start)."""
+    wall_end = dict(zip(steps["end_s"], steps["next_start_s"]))
+    first_end = requests["e_step_ends"].map(lambda e: wall_end.get(e[0], math.nan))
+    last_end = requests["e_step_ends"].map(lambda e: wall_end.get(e[-1], math.nan))
+    first = requests["chunk_ns"].map(lambda c: c[0]) / 1e9
+    last = requests["chunk_ns"].map(lambda c: c[-1]) / 1e9
+    delivery = pd.concat([first - first_end, last - last_end]).dropna() * 1000.0
+    stream_end = (requests["end_ns"] / 1e9 - last_end).dropna() * 1000.0
+    return (float(delivery.median()) if len(delivery) else 0.0, float(stream_end.median()) if len(stream_end) else 0.0)
+
+
+def fit_intake(steps: pd.DataFrame, requests: pd.DataFrame) -> float:
+    """The server's time per request before the engine sees it (HTTP, JSON, tokenizing, one at a time on its event
+    loop): the median over matched requests of submitted - max(send, the previous request's submit)."""
+    submitted = np.sort(np.concatenate([np.asarray(s, dtype=float) for s in steps.loc[steps["kind"] == "prefill", "submitted_s"]]))
+    own = requests["e_submitted_s"].to_numpy(float)
+    send = requests["send_ns"].to_numpy(float) / 1e9
+    previous = submitted[np.maximum(np.searchsorted(submitted, own) - 1, 0)]
+    previous = np.where(previous < own, previous, -np.inf)
+    service = (own - np.maximum(send, previous)) * 1000.0
+    return float(np.median(service)) if len(service) else 0.0
+
+
+def round_acceptance(joined: pd.DataFrame, tags: dict[str, str]) -> dict[str, PositionalAcceptance]:
+    """Per-position acceptance along the output per request tag (key "" pools all) from the engine's own record of
+    every request-round of static speculative servers: how often the proposer drafted at all, and given it did,
+    the conditional per-position acceptance (censored at the drafts it offered)."""
+    accepted, proposed, positions, groups, request = [], [], [], [], []
+    for k, row in enumerate(joined.itertuples()):
+        if not row.e_num_steps or max(row.e_num_steps) == 0:
+            continue
+        tokens = np.asarray(row.chunk_tokens, dtype=np.int64)
+        accepted.append(np.asarray(row.e_accepted, dtype=np.int64))
+        proposed.append(np.asarray(row.e_proposed, dtype=np.int64))
+        positions.append(np.cumsum(tokens)[:-1])  # output tokens before each decode step
+        groups.append(np.full(len(row.e_accepted), tags.get(row.prompt, ""), dtype=object))
+        request.append(np.full(len(row.e_accepted), k))
+    if not accepted:
+        raise SpectuneError("round logs: no request-rounds of static speculative servers to fit acceptance on")
+    accepted, proposed, positions, groups, request = map(np.concatenate, (accepted, proposed, positions, groups, request))
+
+    def fit(rows: np.ndarray) -> PositionalAcceptance:
+        drafted = rows & (proposed > 0)
+        conditional = fit_positional_acceptance(accepted[drafted], proposed[drafted], positions[drafted])
+        bucket = positions // POSITION_BUCKET_TOKENS
+        whole = float((proposed[rows] > 0).mean())
+        shares = tuple(float((proposed[rows & (bucket == b)] > 0).mean()) if (rows & (bucket == b)).sum() >= MIN_BUCKET_ROUNDS else whole
+                       for b in range(len(conditional.by_bucket)))
+        profile = PositionalAcceptance(conditional.by_bucket, drafted=shares)
+        offsets = [_request_offset(profile, accepted[m], proposed[m], positions[m]) for i in np.unique(request[drafted])
+                   if (m := drafted & (request == i)).sum() >= MIN_REQUEST_ROUNDS]
+        return PositionalAcceptance(conditional.by_bucket, drafted=shares, request_offsets=tuple(o for o in offsets if math.isfinite(o)))
+
+    profiles = {g: fit(groups == g) for g in set(groups) if g}
+    profiles[""] = fit(np.ones(len(groups), dtype=bool))
+    return profiles
+
+
+MIN_REQUEST_ROUNDS = 4  # drafted rounds below which a request's own acceptance is not estimated
+
+
+def _request_offset(profile: PositionalAcceptance, accepted: np.ndarray, proposed: np.ndarray, positions: np.ndarray) -> float:
+    """How much easier one request was to draft for than its group: the shift theta of every conditional rate in
+    log-odds that makes its expected accepted drafts (over its own rounds, positions and offered drafts) match what it
+    accepted. Requests of one kind differ (one passage is copied word for word, another is not), and that spread
+    decides how far apart requests finish."""
+    horizon = int(proposed.max())
+    base = np.clip(profile.rate_matrix(int(positions.max()) + 1, horizon)[positions], 1e-4, 1 - 1e-4)  # [R, H]
+    logit = np.log(base / (1 - base))
+    offered = np.arange(horizon)[None, :] < proposed[:, None]  # [R, H]
+    target = accepted.sum()
+    expected = lambda theta: float((np.cumprod(1 / (1 + np.exp(-(logit + theta))), axis=1) * offered).sum())
+    lo, hi = -12.0, 12.0
+    if target <= expected(lo):
+        return lo
+    if target >= expected(hi):
+        return hi
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected(mid) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Calibration:
+    """The replay's terms fitted from a sweep's step clocks, and what they were fitted on."""
+
+    cost: ServingCost
+    profiles: dict[str, PositionalAcceptance]  # per request tag; "" pools all
+    cells_used: int
+    cells_left_out: int  # measured while other work loaded the machine
+    requests_matched: int
+    requests_unmatched: int
+
+
+def calibrate(run, engine: str, method: str, batch_sizes) -> Calibration:
+    """Fit the replay's serving cost and acceptance from a closed-loop sweep of target-only and static `method`
+    servers on the embedded engine, from quiet cells only (quiet_cells)."""
+    from spectune.scoring import _prompt_key
+    from spectune.workload import load_requests
+
+    cells = run.cells[(run.cells["engine"] == engine) & run.cells["adaptive_config"].isna()]
+    cells = cells[~cells["is_speculative"].astype(bool) | ((cells["method"] == method) & (cells["num_speculative_tokens"] > 0))]
+    quiet = quiet_cells(cells)
+    servers = sorted(set(quiet["server"]) & set(run.round_logs))
+    if not servers:
+        raise SpectuneError(f"{run.root}: no round logs of target-only or static {method} servers")
+    all_steps, joined, unmatched = [], [], 0
+    for server in servers:
+        steps = step_frame(run.round_logs[server]).assign(server=server)
+        mine = quiet[quiet["server"] == server]
+        windows = cell_windows(run.requests, mine["cell"])
+        all_steps.append(steps[in_windows(steps["start_s"], windows)])
+        engine_rows = engine_requests(steps)
+        for cell in mine["cell"]:
+            j = join_requests(run.requests[run.requests["cell"] == cell], engine_rows)
+            unmatched += j.attrs["unmatched"]
+            joined.append(j)
+    steps = pd.concat(all_steps, ignore_index=True)
+    joined = pd.concat(joined, ignore_index=True)
+    prefill_fixed, per_token, prefill_intake = fit_prefill(steps)
+    effects = fit_step_effects(steps)
+    delivery, stream_end = fit_client_side(steps, joined)
+    cost = ServingCost(decode=fit_step_costs(steps, tuple(batch_sizes)), prefill_fixed_ms=prefill_fixed, prefill_per_token_ms=per_token,
+                       request_overhead_ms=max(MIN_REQUEST_OVERHEAD_MS, fit_intake(steps, joined)), source="step clocks",
+                       gather_ms_per_seq=effects.gather_ms_per_seq, intake_interference_ms=effects.intake_ms,
+                       prefill_intake_ms=prefill_intake, finish_ms=effects.finish_ms, delivery_ms=delivery, stream_end_ms=stream_end)
+    tags = {_prompt_key(r): r.tag for r in load_requests(run.manifest["plan"]["workload"])}
+    spec = joined[joined["e_num_steps"].map(lambda s: bool(s) and max(s) > 0)]
+    return Calibration(cost=cost, profiles=round_acceptance(spec, tags), cells_used=len(quiet),
+                       cells_left_out=len(cells[cells["status"] == "ok"]) - len(quiet), requests_matched=len(joined),
+                       requests_unmatched=unmatched)
+
+
+# --- the replay beside a measured run ------------------------------------------------------------------------------
+
+FIGURES = {"ttft_ms": "ttft_ms_mean", "tpot_ms": "tpot_ms_mean", "e2e_ms": "e2e_ms_mean"}
+
+
+def server_policy(cell: pd.Series, method: str):
+    """The step policy a measured server ran (None: a method other than the fitted one)."""
+    from spectune.adaptive import AdaptiveConfig
+    from spectune.emit import sglang_launch_steps
+    from spectune.simulate import AdaptiveConfigPolicy, StaticPolicy
+
+    if not cell["is_speculative"]:
+        return StaticPolicy(0)
+    if cell["method"] != method:
+        return None
+    if isinstance(cell.get("adaptive_config"), str):
+        cfg = AdaptiveConfig.from_file(cell["adaptive_config"])
+        return AdaptiveConfigPolicy(cfg, initial_steps=sglang_launch_steps(cfg), cuda_graph_bs=(), name=cell["server"])
+    return StaticPolicy(int(cell["num_speculative_tokens"]))
+
+
+def replay_vs_measured(fit_run, measured_runs: list, calibrated: bool, method: str | None = None, draws: int = 3,
+                       seed: int = 0) -> pd.DataFrame:
+    """Per measured server (over every run given, e.g. confirm passes: their mean) the replay's predicted mean TTFT,
+    TPOT and e2e next to the measured ones, with the replay fitted on fit_run (calibrated: from step clocks; else the
+    older fit from round-log gaps and streamed chunks). The measured runs' traffic (workload, schedule, cap) is
+    replayed; only closed-loop traffic without arrival times cannot be."""
+    from spectune import scoring
+    from spectune.costmodel import fit_sweep
+    from spectune.simulate import draw_acceptance
+
+    fit = fit_sweep(fit_run.cells, method=method)
+    horizon = max(fit.max_steps, 7)
+    cells = pd.concat([r.cells.assign(run=i) for i, r in enumerate(measured_runs)], ignore_index=True)
+    cells = cells[cells["status"] == "ok"]
+    rows = []
+    for (workload, cap), group in cells.groupby(["workload", "batch_size"]):
+        replay = scoring.make_replay(fit_run, fit, horizon, seed, workload, int(cap), calibrated)
+        all_draws = [draw_acceptance(replay.traffic, replay.profiles, horizon, seed + k) for k in range(draws)]
+        for server, mine in group.groupby("server"):
+            policy = server_policy(mine.iloc[0], fit.method)
+            if policy is None:
+                continue
+            from spectune.simulate import simulate_requests
+
+            sims = [simulate_requests(replay.traffic, policy, replay.cost, d, max_num_seqs=replay.max_num_seqs) for d in all_draws]
+            row = {"workload": workload, "max_concurrency": int(cap), "server": server, "passes": len(mine)}
+            for name, column in FIGURES.items():
+                predicted = float(np.mean([getattr(s, name) for s in sims]))
+                measured = float(mine[column].mean())
+                row |= {f"{name}_predicted": predicted, f"{name}_measured": measured, f"{name}_error": predicted / measured - 1.0,
+                        f"{name}_measured_sd": float(mine[column].std(ddof=1)) if len(mine) > 1 else math.nan}
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def predicted_walls(steps: pd.DataFrame, cost: ServingCost) -> np.ndarray:
+    """What the replay charges for each logged step (step_frame rows) as the engine ran it: its batch, width, slots,
+    intakes and finishes. Beside the measured walls it says how fast the engine ran (speed_index)."""
+    decode = (steps["kind"] == "decode").to_numpy()
+    bs, width = steps["batch_size"].to_numpy(float), steps["width"].to_numpy(float)
+    plain = cost.decode.t_round(bs, np.zeros_like(bs))
+    spec = cost.decode.t_speculative(bs, width)
+    step = np.where(steps["num_steps"].to_numpy() > 0, spec, plain)
+    step += np.where(steps["contiguous"].to_numpy(bool), 0.0, cost.gather_ms_per_seq * bs)
+    step += cost.intake_interference_ms * steps["num_intakes"].to_numpy(float) + cost.finish_ms * steps["num_finished_before"].to_numpy(float)
+    prefill = np.array([cost.t_prefill(p) if p else np.nan for p in steps["prompt_tokens"]])
+    prefill += cost.prefill_intake_ms * steps["num_intakes"].to_numpy(float)
+    return np.where(decode, step, prefill)
+
+
+def speed_index(run, cost: ServingCost) -> pd.Series:
+    """Per cell of a run (index: cell id): the median over its steps of measured wall / predicted wall. About 1 on a
+    quiet machine; well above 1 when something else slowed the engine down (other work, a noisy neighbour of the
+    virtual machine), whatever policy the server ran, since each step is predicted as it was taken."""
+    out = {}
+    for server, path in run.round_logs.items():
+        steps = step_frame(path)
+        steps = steps[steps["wall_ms"].notna()]
+        ratio = steps["wall_ms"].to_numpy(float) / predicted_walls(steps, cost)
+        for cell in run.cells.loc[run.cells["server"] == server, "cell"]:
+            inside = in_windows(steps["start_s"], cell_windows(run.requests, pd.Series([cell]))).to_numpy()
+            out[cell] = float(np.nanmedian(ratio[inside])) if inside.any() else math.nan
+    return pd.Series(out, dtype=float)

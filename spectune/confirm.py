@@ -1,0 +1,467 @@
+"""`spectune confirm`: is the tuned config better, measured? Run the tuned adaptive config, SGLang's default config,
+the best static g and target-only on the embedded engine with the same traffic, pass after pass (one pass = every
+server once, the order rotated each pass so that whatever else loads the machine hits every server alike), until
+the paired difference of each comparison is settled.
+
+Per pass and comparison (tuned vs SGLang's default, tuned vs the best static g) the gain is the log-ratio of the
+tuning objective's metric, signed so that > 0 means the tuned config did better (mean e2e lower, tokens/s higher),
+averaged over the batch sizes of a closed-loop pass. Passes pair the servers: the spread between passes (the
+machine's load) cancels in the difference.
+
+Stopping rule (a group-sequential design, so that looking again and again does not turn noise into a win): the
+rule looks at passes n_1 < ... < n_K (NUM_LOOKS points spread up to --max-passes, the first at --min-passes). At look
+k it takes the t-interval of the mean gain at level 1 - a_k, where a_k is what an O'Brien-Fleming-type spending
+function (Lan-DeMets: a(t) = 2 - 2 Phi(z_{1-a/2} / sqrt(t)), t = n_k / max passes) allows beyond the earlier looks,
+so that the chance of any look claiming a difference that is not there stays within a = 5% (the intervals are
+"95%" in that sense; each a_k is recorded). It stops when, for every comparison, the interval excludes 0 or is
+narrower than NARROW_PCT percentage points; else at --max-passes. A difference whose interval holds 0 is reported
+as "not distinguishable", never as a win.
+
+Every pass is a results directory (RESULTS/confirm/pass-NN, spectune's sweep layout): a run cut short resumes at
+the pass it stopped in, and `--run-passes N` runs at most N passes per call (the rest on the next call).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from spectune.errors import SpectuneError
+
+ALPHA = 0.05  # chance, over all looks, of calling a difference that is not there
+NARROW_PCT = 2.0  # an interval narrower than this (percentage points) settles a comparison too
+NUM_LOOKS = 4
+DEFAULT_MAX_PASSES = 20
+DEFAULT_MIN_PASSES = 4
+# objective -> (cell metric, higher is better, words)
+METRICS = {
+    "throughput": ("output_throughput_tps", True, "output tokens/s"),
+    "latency": ("tpot_ms_mean", False, "mean TPOT"),
+    "ttft": ("ttft_ms_mean", False, "mean TTFT"),
+    "tpot": ("tpot_ms_mean", False, "mean TPOT"),
+    "e2e": ("e2e_ms_mean", False, "mean e2e latency"),
+}
+TUNED, DEFAULT, STATIC, TARGET = "tuned", "sglang-default", "static", "target"
+# What the tuned server is compared with. The best static config is whichever of the best speculative static g and
+# target-only (g = 0) measured better: the verdict names it, and the rule waits for all three.
+COMPARED = {DEFAULT: "SGLang's default", STATIC: "the best speculative static g", TARGET: "target-only"}
+
+
+# --- statistics -----------------------------------------------------------------------------------------------
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The p quantile of Student's t with df degrees of freedom (0.5 < p < 1), by bisection on its CDF written with
+    the regularized incomplete beta function (scipy is a test-only dependency; agreement with scipy is tested)."""
+    if not 0.5 < p < 1 or df < 1:
+        raise ValueError(f"t_quantile: need 0.5 < p < 1 and df >= 1, got p={p}, df={df}")
+    tail = lambda t: 0.5 * _betai(df / 2, 0.5, df / (df + t * t))  # P(T > t), t >= 0
+    lo, hi = 0.0, 1.0
+    while tail(hi) > 1 - p:
+        lo, hi = hi, hi * 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tail(mid) > 1 - p else (lo, mid)
+        if hi - lo < 1e-10 * hi:
+            break
+    return (lo + hi) / 2
+
+
+def _betai(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b) (continued fraction, modified Lentz)."""
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - _betai(b, a, 1.0 - x)
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    f = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)), -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            f *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return front * f / a
+
+
+def spent_alpha(t: float, alpha: float = ALPHA) -> float:
+    """Lan-DeMets O'Brien-Fleming-type spending: the error allowed by information fraction t (0 < t <= 1)."""
+    z = statistics.NormalDist().inv_cdf(1 - alpha / 2)
+    return 2 * (1 - statistics.NormalDist().cdf(z / math.sqrt(min(1.0, t))))
+
+
+def look_schedule(min_passes: int, max_passes: int, num_looks: int = NUM_LOOKS) -> tuple[int, ...]:
+    """The passes at which the rule looks: num_looks points up to max_passes, none before min_passes."""
+    if min_passes < 2 or max_passes < min_passes:
+        raise SpectuneError(f"--min-passes {min_passes} / --max-passes {max_passes}: need 2 <= min <= max (an interval needs 2 passes)")
+    return tuple(sorted({max(min_passes, math.ceil(max_passes * k / num_looks)) for k in range(1, num_looks + 1)}))
+
+
+def look_alphas(looks: tuple[int, ...], max_passes: int, alpha: float = ALPHA) -> tuple[float, ...]:
+    """Each look's share of alpha: the spending function's increase since the look before."""
+    spent = [spent_alpha(n / max_passes, alpha) for n in looks]
+    return tuple(s - p for s, p in zip(spent, [0.0, *spent[:-1]]))
+
+
+@dataclass(frozen=True, slots=True)
+class Difference:
+    """One comparison after n passes: the mean gain and its interval, as percentages (the metric's relative
+    improvement: lower latency or higher tokens/s; > 0 = the tuned config did better)."""
+
+    name: str
+    label: str
+    passes: int
+    mean_pct: float
+    lo_pct: float
+    hi_pct: float
+    level: float  # the interval's own level (1 - a_k)
+
+    @property
+    def excludes_zero(self) -> bool:
+        return self.lo_pct > 0 or self.hi_pct < 0
+
+    @property
+    def width_pct(self) -> float:
+        return self.hi_pct - self.lo_pct
+
+    @property
+    def settled(self) -> bool:
+        return self.excludes_zero or self.width_pct < NARROW_PCT
+
+    def words(self) -> str:
+        lo, hi = _shown(self.lo_pct), _shown(self.hi_pct)
+        if self.lo_pct > 0:
+            return f"better than {self.label} by {abs(self.mean_pct):.1f}% [{lo}, {hi}]"
+        if self.hi_pct < 0:
+            return f"worse than {self.label} by {abs(self.mean_pct):.1f}% [{_shown(-self.hi_pct)}, {_shown(-self.lo_pct)}]"
+        return f"not distinguishable from {self.label} on this traffic ({self.mean_pct:+.1f}% [{lo}, {hi}])"
+
+
+def _shown(pct: float) -> str:
+    """A bound for print; beyond +-999% an interval says nothing more."""
+    return f"{pct:.1f}" if abs(pct) < 999 else ("<-999" if pct < 0 else ">999")
+
+
+def to_pct(gain: float, higher_is_better: bool) -> float:
+    """A log-ratio gain as the metric's relative improvement in %: tokens/s up by e^g - 1, latency down by 1 - e^-g
+    (an interval too wide to mean anything reaches +-inf)."""
+    g = gain if higher_is_better else -gain
+    value = math.expm1(g) if g < 700 else math.inf
+    return 100.0 * (value if higher_is_better else -value)
+
+
+def difference(name: str, label: str, gains: np.ndarray, level: float, higher_is_better: bool) -> Difference:
+    """The t-interval of the mean per-pass gain at `level`, in % (see to_pct)."""
+    n = len(gains)
+    mean = float(np.mean(gains))
+    half = t_quantile(1 - (1 - level) / 2, n - 1) * float(np.std(gains, ddof=1)) / math.sqrt(n) if n > 1 else math.inf
+    pct = lambda g: to_pct(g, higher_is_better) if math.isfinite(g) else to_pct(math.copysign(1e9, g), higher_is_better)
+    return Difference(name, label, n, pct(mean), pct(mean - half), pct(mean + half), level)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    stop: bool
+    look: int | None  # the look taken at this pass count (None: not a look)
+    differences: tuple[Difference, ...]
+
+
+def decide(gains: pd.DataFrame, labels: dict[str, str], higher_is_better: bool, min_passes: int, max_passes: int,
+           alpha: float = ALPHA) -> Decision:
+    """The stopping rule (module docstring) after len(gains) passes; gains: one column per comparison, one row per
+    pass. Between looks (and before the first) nothing stops; the differences shown there are at the next look's
+    level."""
+    looks = look_schedule(min_passes, max_passes)
+    levels = dict(zip(looks, (1 - a for a in look_alphas(looks, max_passes, alpha))))
+    n = len(gains)
+    level = levels.get(n, levels[min((k for k in looks if k >= n), default=looks[-1])])
+    diffs = tuple(difference(c, labels[c], gains[c].to_numpy(float), level, higher_is_better) for c in gains.columns)
+    is_look = n in levels
+    stop = n >= max_passes or (is_look and all(d.settled for d in diffs))
+    return Decision(stop=stop, look=looks.index(n) + 1 if is_look else None, differences=diffs)
+
+
+def verdict_text(diffs: tuple[Difference, ...], metric_words: str, passes: int, source: str, capped: bool,
+                 static_steps: int | None = None) -> str:
+    """One sentence a user can act on: the tuned config against SGLang's default and against the best static config
+    (of the static comparisons, the one the tuned config did least well against)."""
+    by_name = {d.name: d for d in diffs}
+    shown = [by_name[DEFAULT]] if DEFAULT in by_name else []
+    statics = [by_name[c] for c in (STATIC, TARGET) if c in by_name]
+    if statics:
+        best = min(statics, key=lambda d: d.mean_pct)
+        what = "target-only, g=0" if best.name == TARGET else f"static g={static_steps}" if static_steps is not None else "static"
+        shown.append(Difference(best.name, f"the best static config ({what})", best.passes, best.mean_pct, best.lo_pct, best.hi_pct,
+                                best.level))
+    body = " and ".join(d.words() for d in shown)
+    tail = f"{source}, {passes} paired passes" + (", stopped at the cap" if capped else "")
+    return f"tuned adaptive on {metric_words}: {body} ({tail})"
+
+
+# --- running the passes ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ConfirmOptions:
+    results_dir: Path  # a sweep tuned by `spectune tune` (RESULTS/tuned/tuning.json)
+    tuned_dir: Path | None = None  # default RESULTS/tuned
+    out_dir: Path | None = None  # default RESULTS/confirm
+    max_passes: int = DEFAULT_MAX_PASSES
+    min_passes: int = DEFAULT_MIN_PASSES
+    run_passes: int | None = None  # run at most this many passes now (resume later); None = until the rule stops
+    max_foreign_cores: float = 0.3  # a pass in which any cell saw other work use more of the machine is not counted
+    max_slowdown: float = 0.15  # nor one in which any cell ran this much slower than the same server's median pass (speed index)
+    batch_sizes: tuple[int, ...] | None = None  # closed-loop objectives: a subset of the sweep's batch sizes
+
+
+@dataclass(slots=True)
+class ConfirmOutcome:
+    passes: int
+    finished: bool  # the rule stopped (or the cap was reached)
+    verdict: dict | None  # what tuning.json "verdict" now holds (None before the first look's data)
+    table: pd.DataFrame = field(default_factory=pd.DataFrame)  # per pass and server: the metric
+
+
+def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> ConfirmOutcome:
+    from spectune.progress import PlainProgress
+    from spectune.store import load_run
+    from spectune.sweep import run_sweep
+
+    tuned_dir = options.tuned_dir or Path(options.results_dir) / "tuned"
+    out = options.out_dir or Path(options.results_dir) / "confirm"
+    tuning = read_tuning(tuned_dir)
+    objective = tuning["objective"]
+    metric, higher, words = METRICS[objective]
+    sweep = load_run(options.results_dir)
+    servers, raw = confirm_plan(sweep.manifest, tuning, tuned_dir, out, options.batch_sizes)
+    cost = step_cost(sweep, tuning)
+    look_schedule(options.min_passes, options.max_passes)  # bad bounds fail before anything runs
+    out.mkdir(parents=True, exist_ok=True)
+    ran, decision, table, cache = 0, None, pd.DataFrame(), {}
+    for i in range(2 * options.max_passes):  # disturbed passes are run again, up to as many more attempts
+        pass_dir = out / f"pass-{i + 1:02d}"
+        if not pass_complete(pass_dir):
+            if options.run_passes is not None and ran >= options.run_passes:
+                break
+            plan = pass_plan(raw, servers, i)
+            log(f"confirm pass {i + 1} (at most {options.max_passes}): {', '.join(s['name'] for s in plan_servers(servers, i))}")
+            outcome = run_sweep(plan, pass_dir, resume=(pass_dir / "run.json").exists(), progress=PlainProgress(log))
+            ran += 1
+            if outcome.interrupted:
+                raise KeyboardInterrupt
+            if outcome.failed:
+                raise SpectuneError(f"{pass_dir}: {outcome.failed} cell(s) failed; their causes are in {pass_dir}/cells/*.json")
+        table = pass_table(out, i + 1, metric, options.max_foreign_cores, cost, options.max_slowdown, cache)
+        if not table.empty and table.loc[table["pass"] == i + 1, "disturbed"].any():
+            log(f"pass {i + 1}: disturbed (other work on this machine, or the engine ran more than {options.max_slowdown:.0%} slower than "
+                "in the other passes); not counted, run again")
+        gains = pass_gains(table[~table["disturbed"]], higher) if not table.empty else pass_gains(table, higher)
+        # which passes count can change as passes come (the median speed moves), so decide on this table only
+        decision = decide(gains, COMPARED, higher, options.min_passes, options.max_passes) if len(gains) >= 2 else None
+        if decision is not None and decision.stop:
+            break
+    n = len(gains) if decision is not None else 0
+    verdict = None
+    if decision is not None:
+        verdict = measured_verdict(decision, n, words, metric, objective, options, servers, out, table)
+        write_verdict(tuned_dir, verdict)
+        log(verdict["text"])
+    return ConfirmOutcome(passes=n, finished=bool(decision and decision.stop), verdict=verdict, table=table)
+
+
+def read_tuning(tuned_dir: Path) -> dict:
+    path = tuned_dir / "tuning.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpectuneError(f"{path}: not found; run `spectune tune RESULTS` first (confirm measures what it tuned)") from None
+
+
+def best_static_steps(tuning: dict) -> int:
+    """The best static speculative g (>= 1) on the tuning bench."""
+    speedups = {int(g): s for g, s in tuning["policies"]["static_speedups"].items() if int(g) > 0}
+    return max(speedups, key=speedups.get)
+
+
+def confirm_plan(manifest: dict, tuning: dict, tuned_dir: Path, out: Path,
+                 batch_sizes: tuple[int, ...] | None) -> tuple[list[dict], dict]:
+    """The four servers (target-only, the best static g, the tuned config, SGLang's default; all of the tuned
+    engine and method, as the sweep launched them) and the traffic of a pass: the replayed traffic on its arrival
+    times for the replay objectives, else the sweep's closed loop."""
+    from spectune.adaptive import SGLANG_DEFAULT_CONFIG
+    from spectune.emit import write_sglang_config
+
+    plan = dict(manifest["plan"])
+    engine, method = tuning["engine"], tuning["method"]
+    swept = plan["servers"]
+    target = next((s for s in swept if not s.get("method") and s.get("engine", "embedded") == engine), None)
+    spec = next((s for s in swept if s.get("method") == method and s.get("engine", "embedded") == engine and not s.get("adaptive_config")), None)
+    if target is None or spec is None:
+        raise SpectuneError(f"{tuned_dir / 'tuning.json'}: the sweep has no target-only or static {method} server on {engine} to confirm with")
+    out.mkdir(parents=True, exist_ok=True)
+    default_file = write_sglang_config(SGLANG_DEFAULT_CONFIG, out / "sglang-default-adaptive.json")
+    base = {k: v for k, v in spec.items() if k not in ("name", "num_speculative_tokens", "adaptive_config")}
+    g = best_static_steps(tuning)
+    servers = [
+        {**{k: v for k, v in target.items() if k != "name"}, "name": TARGET},
+        {**base, "name": f"{STATIC}-g{g}", "num_speculative_tokens": g},
+        {**base, "name": TUNED, "adaptive_config": str((tuned_dir / "adaptive_spec.json").resolve())},
+        {**base, "name": DEFAULT, "adaptive_config": str(default_file.resolve())},
+    ]
+    raw = {k: v for k, v in plan.items() if k not in ("servers", "name")}
+    raw |= {"name": "confirm", "repeats": 1}
+    if "traffic" in tuning:  # a replay objective: the replayed traffic, once, on its arrival times
+        source = tuning.get("traffic_source") or plan["workload"]
+        raw |= {"workload": source, "schedule": "trace", "batch_sizes": [tuning["traffic"]["max_num_seqs"]],
+                "prompts_per_slot": 1, "min_prompts": tuning["traffic"]["requests"], "warmup_per_slot": 0}
+    elif batch_sizes:
+        unknown = sorted(set(batch_sizes) - set(plan["batch_sizes"]))
+        if unknown:
+            raise SpectuneError(f"--batch-sizes: {unknown} were not swept; choose from {plan['batch_sizes']}")
+        raw["batch_sizes"] = sorted(batch_sizes)
+    return servers, raw
+
+
+def plan_servers(servers: list[dict], index: int) -> list[dict]:
+    """Pass `index`'s server order: the list rotated by one server per pass."""
+    shift = index % len(servers)
+    return servers[shift:] + servers[:shift]
+
+
+def pass_plan(raw: dict, servers: list[dict], index: int):
+    from spectune.plan import plan_from_dict
+
+    return plan_from_dict({**raw, "servers": plan_servers(servers, index)}, source=f"confirm pass {index + 1}")
+
+
+def pass_complete(pass_dir: Path) -> bool:
+    path = pass_dir / "run.json"
+    return path.exists() and json.loads(path.read_text()).get("status") == "complete"
+
+
+def step_cost(sweep, tuning: dict):
+    """The tuning sweep's calibrated step costs, to tell how fast the engine ran in a pass (None without step clocks)."""
+    from spectune.calibration import calibrate
+    from spectune.steplog import has_step_clocks
+
+    if tuning.get("engine") != "embedded" or not has_step_clocks(sweep):
+        return None
+    sizes = sorted(int(r["batch_size"]) for r in tuning.get("cost_fit", [])) or sweep.manifest["plan"]["batch_sizes"]
+    return calibrate(sweep, tuning["engine"], tuning["method"], tuple(sizes)).cost
+
+
+def pass_table(out: Path, num_passes: int, metric: str, max_foreign_cores: float = math.inf, cost=None,
+               max_slowdown: float = math.inf, cache: dict | None = None) -> pd.DataFrame:
+    """One row per finished pass, server and batch size: the metric (role: tuned, sglang-default, static, target), the
+    cores other work used meanwhile, the engine's speed index (spectune.calibration.speed_index, with `cost`), and
+    whether the pass was disturbed: a cell above max_foreign_cores, or with a speed index more than max_slowdown
+    above the median of the same server and batch size over the passes. A disturbed pass is not counted. `cache`
+    keeps each finished pass's rows between calls (reading its round logs is the slow part)."""
+    cache = {} if cache is None else cache
+    frames = []
+    for i in range(1, num_passes + 1):
+        pass_dir = out / f"pass-{i:02d}"
+        if i not in cache and pass_complete(pass_dir):
+            cache[i] = _pass_rows(pass_dir, i, metric, cost)
+        if i in cache:
+            frames.append(cache[i])
+    table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["pass", "server", "role", "batch_size", "value",
+                                                                                       "foreign_cpu_cores", "speed_index"])
+    if not table.empty and table.groupby("batch_size")["traffic_digest"].nunique().max() > 1:
+        raise SpectuneError(f"{out}: the passes sent different traffic (traffic digests differ); start over with a new --out")
+    if table.empty:
+        return table.assign(speed_index=np.nan, disturbed=False)
+    typical = table.groupby(["server", "batch_size"])["speed_index"].transform("median")
+    bad = (table["foreign_cpu_cores"] > max_foreign_cores) | (table["speed_index"] > typical * (1 + max_slowdown))
+    return table.assign(disturbed=bad.groupby(table["pass"]).transform("any").to_numpy(bool))
+
+
+def _pass_rows(pass_dir: Path, number: int, metric: str, cost) -> pd.DataFrame:
+    from spectune.calibration import speed_index
+    from spectune.store import load_run
+
+    run = load_run(pass_dir)
+    cells = run.cells[run.cells["status"] == "ok"]
+    speed = speed_index(run, cost).reindex(cells["cell"]).to_numpy() if cost is not None else np.full(len(cells), np.nan)
+    return pd.DataFrame({"pass": number, "server": cells["server"], "role": cells["server"].map(_role), "batch_size": cells["batch_size"],
+                         "value": cells[metric], "traffic_digest": cells["traffic_digest"],
+                         "foreign_cpu_cores": cells.get("foreign_cpu_cores", pd.Series(np.nan, index=cells.index)), "speed_index": speed})
+
+
+def _role(server: str) -> str:
+    return STATIC if server.startswith(STATIC + "-g") else server
+
+
+def pass_gains(table: pd.DataFrame, higher_is_better: bool) -> pd.DataFrame:
+    """Per pass (rows) and comparison (columns): the tuned server's log-ratio gain, averaged over batch sizes."""
+    if table.empty:
+        return pd.DataFrame(columns=list(COMPARED))
+    wide = table.pivot_table(index=["pass", "batch_size"], columns="role", values="value")
+    sign = 1.0 if higher_is_better else -1.0
+    gains = pd.DataFrame({c: sign * np.log(wide[TUNED] / wide[c]) for c in COMPARED})
+    return gains.groupby(level="pass").mean().dropna()
+
+
+def measured_verdict(decision: Decision, passes: int, words: str, metric: str, objective: str, options: ConfirmOptions,
+                     servers: list[dict], out: Path, table: pd.DataFrame) -> dict:
+    capped = decision.stop and not all(d.settled for d in decision.differences)
+    disturbed = sorted(int(p) for p in table.loc[table["disturbed"], "pass"].unique())
+    table = table[~table["disturbed"]]
+    means = table.groupby("role")["value"].mean()
+    return {
+        "text": verdict_text(decision.differences, words, passes, "measured", capped, _static_steps(servers)),
+        "source": "measured",
+        "objective": objective,
+        "metric": metric,
+        "passes": passes,
+        "finished": decision.stop,
+        "stopped_by": ("cap" if capped else "rule") if decision.stop else None,
+        "comparisons": [{"name": d.name, "label": d.label, "mean_pct": d.mean_pct, "lo_pct": _finite(d.lo_pct), "hi_pct": _finite(d.hi_pct),
+                         "interval_level": d.level, "excludes_zero": d.excludes_zero, "settled": d.settled} for d in decision.differences],
+        "mean_by_server": {role: float(v) for role, v in means.items()},
+        "per_pass": table.pivot_table(index="pass", columns="role", values="value").reset_index().to_dict("records"),
+        "foreign_cpu_cores": {"mean": _finite(table["foreign_cpu_cores"].mean()), "max": _finite(table["foreign_cpu_cores"].max()),
+                              "meaning": "cores other work on the machine used during the cells (spectune.hostload)"},
+        "stopping_rule": (f"paired passes, server order rotated; looks at passes {list(look_schedule(options.min_passes, options.max_passes))} "
+                          f"(cap {options.max_passes}); at each, the t-interval of the mean log-ratio at the level an O'Brien-Fleming-type "
+                          f"alpha-spending function allows (overall {100 * (1 - ALPHA):.0f}%); stop when every interval excludes 0 or is "
+                          f"narrower than {NARROW_PCT:g} points; a pass is run again, not counted, when in any cell other work used "
+                          f"more than {options.max_foreign_cores:g} cores of the machine or the engine's steps ran more than "
+                          f"{options.max_slowdown:.0%} slower (against the tuning sweep's step costs) than in the same server's median pass"),
+        "passes_not_counted": disturbed,
+        "servers": [s["name"] for s in servers],
+        "confirm_dir": str(out),
+    }
+
+
+def _static_steps(servers: list[dict]) -> int | None:
+    return next((int(s["num_speculative_tokens"]) for s in servers if s["name"].startswith(STATIC + "-g")), None)
+
+
+def _finite(x: float) -> float | None:
+    return float(x) if x == x and math.isfinite(x) else None
+
+
+def write_verdict(tuned_dir: Path, verdict: dict) -> None:
+    """Put `verdict` into tuning.json (the other keys untouched)."""
+    from spectune.store import atomic_write_bytes
+
+    path = tuned_dir / "tuning.json"
+    report = json.loads(path.read_text())
+    report["verdict"] = verdict
+    atomic_write_bytes(path, (json.dumps(report, indent=2, allow_nan=False) + "\n").encode())

@@ -1,0 +1,169 @@
+"""The replay's calibration against the real embedded engine (spectune.calibration): a small closed-loop sweep and a
+short trace run, their round logs joined request by request with the load generator's records on the shared
+monotonic clock, and the serving-cost terms fitted from them. Structure and exact identities, no timing targets
+(the machine is shared)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from spectune.calibration import _request_offset, calibrate, fit_step_effects, quiet_cells, replay_vs_measured, speed_index
+from spectune.steplog import cell_windows, has_step_clocks, in_windows, join_run, step_frame
+from spectune.store import load_run
+from sweep_helpers import sweep_cmd
+
+CLOSED = """
+name = "calib"
+workload = "{workload}"
+batch_sizes = [1, 4]
+repeats = 1
+max_tokens = 24
+prompts_per_slot = 2
+min_prompts = 8
+warmup_per_slot = 1
+
+[[servers]]
+name = "target"
+
+[[servers]]
+name = "ngram"
+method = "ngram"
+num_speculative_tokens = [1, 3]
+prompt_lookup_min = 1
+prompt_lookup_max = 4
+"""
+
+TRACE = """
+name = "calib-trace"
+workload = "{workload}"
+schedule = "trace"
+batch_sizes = [6]
+repeats = 1
+max_tokens = 24
+prompts_per_slot = 1
+min_prompts = 10
+warmup_per_slot = 0
+
+[[servers]]
+name = "target"
+
+[[servers]]
+name = "ngram-g3"
+method = "ngram"
+num_speculative_tokens = 3
+prompt_lookup_min = 1
+prompt_lookup_max = 4
+"""
+
+
+def _sweep(plan: Path, out: Path) -> None:
+    proc = subprocess.run(sweep_cmd(str(plan), "--out", str(out)), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("calib")
+    rows = [json.loads(line) for line in (Path(__file__).parent.parent / "workloads" / "phase.jsonl").read_text().splitlines()]
+    quote = [r for r in rows if r["tag"] in ("quote", "random")][:10]
+    workload = root / "mix.jsonl"  # quiet single requests, then a burst of six
+    arrivals = [0.0, 0.3, 0.6, 0.9] + [1.2] * 6
+    workload.write_text("".join(json.dumps({**r, "arrival_s": a}) + "\n" for r, a in zip(quote, arrivals)))
+    for name, text in (("closed", CLOSED), ("trace", TRACE)):
+        (root / f"{name}.toml").write_text(text.format(workload=workload))
+        _sweep(root / f"{name}.toml", root / name)
+    return root / "closed", root / "trace"
+
+
+def test_every_request_joins_its_engine_record_and_its_latency_splits_exactly(runs):
+    run = load_run(runs[0])
+    assert has_step_clocks(run)
+    joined = join_run(run)
+    measured = run.requests[run.requests["error"].isna()]
+    assert joined.unmatched == 0 and len(joined.requests) == len(measured)
+    r = joined.requests
+    assert (r["e_prompt_tokens"] == r["prompt_tokens"]).all()
+    # TTFT = intake + queue + prefill + first delivery, e2e = TTFT + decode + last delivery - first delivery, exactly
+    np.testing.assert_allclose(r["intake_ms"] + r["queue_ms"] + r["prefill_ms"] + r["first_delivery_ms"], r["ttft_ms"], atol=1e-3)
+    np.testing.assert_allclose(r["ttft_ms"] + r["decode_ms"] + r["last_delivery_ms"] - r["first_delivery_ms"], r["e2e_ms"], atol=1e-3)
+    # causality on one clock: the server reads a request after it was sent, hands it to the engine, prefills it,
+    # and the client sees each chunk after the step that made it
+    assert (r["http_ms"] > 0).all() and (r["intake_ms"] >= r["http_ms"]).all() and (r["queue_ms"] >= 0).all()
+    assert (r["prefill_ms"] > 0).all() and (r["first_delivery_ms"] > 0).all() and (r["last_delivery_ms"] > 0).all()
+
+
+def test_step_walls_cover_compute_and_are_left_out_where_the_engine_idled(runs):
+    steps = step_frame(load_run(runs[0]).round_logs["target"])
+    busy = steps["wall_ms"].notna()
+    assert (steps.loc[busy, "wall_ms"] >= steps.loc[busy, "compute_ms"] - 1e-6).all()
+    # the engine idles only before a prefill of requests that reached it after the step ended, nothing running
+    idle = steps.index[~busy][:-1]
+    nxt = steps.loc[idle + 1]
+    assert (nxt["kind"] == "prefill").all() and (nxt["num_running"] == 0).all()
+    assert all(min(s) > e for s, e in zip(nxt["submitted_s"], steps.loc[idle, "end_s"]))
+    assert (steps["width"] == 0).all()  # target-only never verifies drafts
+
+
+def test_calibration_terms_are_fitted_from_the_round_logs(runs):
+    run = load_run(runs[0])
+    cal = calibrate(run, "embedded", "ngram", (1, 4))
+    steps = pd.concat([step_frame(path).assign(server=server) for server, path in run.round_logs.items()], ignore_index=True)
+    # the fit takes the steps inside the windows (first send to last end) of the cells measured on a quiet machine;
+    # warm-up steps come before them
+    steps = pd.concat([steps[(steps["server"] == server) & in_windows(steps["start_s"], cell_windows(run.requests, cells["cell"]))]
+                       for server, cells in quiet_cells(run.cells).groupby("server")])
+    clean = steps[(steps["kind"] == "decode") & steps["wall_ms"].notna() & steps["contiguous"] & (steps["num_intakes"] == 0)
+                  & (steps["num_finished_before"] == 0)]
+    # target_ms at batch 1 is the median wall of the clean steps that ran no proposer
+    plain = clean[(clean["batch_size"] == 1) & (clean["num_steps"] == 0)]["wall_ms"]
+    assert cal.cost.decode.target_ms[cal.cost.decode.batch_sizes.index(1)] == pytest.approx(plain.median())
+    assert min(cal.cost.decode.per_step_ms) >= 0 and cal.cost.decode.draft_fixed_ms[0] > 0  # the proposer has a cost
+    # the step effects are the least-squares coefficients over every decode step, one fixed effect per
+    # (server, batch size, width) with enough steps
+    effects = fit_step_effects(steps)
+    assert (cal.cost.gather_ms_per_seq, cal.cost.intake_interference_ms, cal.cost.finish_ms) == (
+        effects.gather_ms_per_seq, effects.intake_ms, effects.finish_ms)
+    assert min(effects.gather_ms_per_seq, effects.intake_ms, effects.finish_ms) >= 0 and effects.steps > 0
+    assert cal.cost.prefill_per_token_ms > 0 and cal.cost.request_overhead_ms > 0 and cal.cost.source == "step clocks"
+    assert cal.cost.delivery_ms > 0 and cal.cost.stream_end_ms > 0  # the client sees a step's end after it
+    assert cal.requests_unmatched == 0 and cal.requests_matched > 0
+    assert {"quote", "random"} <= set(cal.profiles)
+    for profile in cal.profiles.values():
+        assert profile.drafted and all(0 <= s <= 1 for s in profile.drafted)
+        assert profile.request_offsets and all(-12 <= o <= 12 for o in profile.request_offsets)
+    # each request's offset makes its expected accepted drafts match what the engine logged for it
+    joined = join_run(run).requests
+    spec = joined[joined["e_num_steps"].map(lambda g: max(g, default=0) > 0)]
+    quote = cal.profiles["quote"]
+    row = spec[spec["prompt"].str.startswith("Repeat")].iloc[0]
+    proposed, accepted = np.asarray(row["e_proposed"]), np.asarray(row["e_accepted"])
+    positions = np.cumsum(row["chunk_tokens"])[:-1]
+    drafted = proposed > 0
+    theta = _request_offset(quote, accepted[drafted], proposed[drafted], positions[drafted])
+    rates = np.clip(quote.rate_matrix(int(positions.max()) + 1, int(proposed.max()))[positions[drafted]], 1e-4, 1 - 1e-4)
+    shifted = 1 / (1 + np.exp(-(np.log(rates / (1 - rates)) + theta)))
+    offered = np.arange(rates.shape[1])[None, :] < proposed[drafted][:, None]
+    if -12 < theta < 12:
+        assert (np.cumprod(shifted, axis=1) * offered).sum() == pytest.approx(accepted[drafted].sum(), rel=1e-3)
+
+
+def test_speed_index_is_about_one_on_the_runs_the_costs_were_fitted_on(runs):
+    run = load_run(runs[0])
+    index = speed_index(run, calibrate(run, "embedded", "ngram", (1, 4)).cost)
+    assert set(index.index) == set(run.cells["cell"])
+    assert index.between(0.5, 2.0).all()
+
+
+def test_replay_of_a_measured_trace_run_sits_beside_it(runs):
+    closed, trace = (load_run(p) for p in runs)
+    table = replay_vs_measured(closed, [trace], calibrated=True, method="ngram")
+    assert sorted(table["server"]) == ["ngram-g3", "target"]
+    for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        assert (table[f"{name}_predicted"] > 0).all()
+        assert (table[f"{name}_predicted"] / table[f"{name}_measured"]).between(0.5, 2.0).all()

@@ -1,0 +1,100 @@
+"""The measured paired confirmation (spectune.confirm): its statistics (Student-t quantiles, alpha spending, the
+stopping rule on per-pass data recorded from real confirmation runs) and the verdict's words."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import scipy.stats
+
+from spectune.confirm import (
+    ALPHA,
+    COMPARED,
+    NARROW_PCT,
+    decide,
+    look_alphas,
+    look_schedule,
+    spent_alpha,
+    t_quantile,
+    to_pct,
+    verdict_text,
+)
+from spectune.errors import SpectuneError
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 4, 7, 12, 19, 40])
+@pytest.mark.parametrize("p", [0.975, 0.99, 0.995, 0.9995, 0.99995])
+def test_t_quantile_matches_scipy(p, df):
+    assert t_quantile(p, df) == pytest.approx(scipy.stats.t.ppf(p, df), rel=2e-4)
+
+
+def test_spending_function_is_obrien_fleming_type_and_spends_alpha_exactly_by_the_cap():
+    assert spent_alpha(1.0) == pytest.approx(ALPHA)
+    assert spent_alpha(0.25) < 1e-3 < spent_alpha(0.5) < spent_alpha(0.75) < ALPHA  # strict early, near nominal late
+    looks = look_schedule(4, 20)
+    assert looks == (5, 10, 15, 20)
+    alphas = look_alphas(looks, 20)
+    assert sum(alphas) == pytest.approx(ALPHA) and all(a > 0 for a in alphas)
+    assert look_schedule(4, 6) == (4, 5, 6) and look_schedule(2, 2) == (2,)
+    with pytest.raises(SpectuneError, match="min-passes"):
+        look_schedule(5, 4)
+
+
+def test_gain_to_percent_is_the_metrics_relative_improvement():
+    # e2e 100 ms for the other server, 90 ms tuned: gain log(100/90), 10% lower latency
+    assert to_pct(math.log(100 / 90), higher_is_better=False) == pytest.approx(10.0)
+    # tokens/s 110 tuned vs 100: 10% more
+    assert to_pct(math.log(110 / 100), higher_is_better=True) == pytest.approx(10.0)
+
+
+def _recorded() -> dict[str, tuple[pd.DataFrame, bool]]:
+    """Per-pass gains (log-ratios, > 0: tuned better) recorded from real `spectune confirm` runs (tests/data/README.md),
+    and whether the run's metric is higher-is-better."""
+    frame = pd.read_csv(DATA / "confirm_passes.csv")
+    return {run: (g.set_index("pass")[list(COMPARED)], bool(g["higher_is_better"].iloc[0])) for run, g in frame.groupby("run")}
+
+
+def test_recorded_runs_are_real_confirmations():
+    runs = _recorded()
+    assert runs and all(len(g) >= 4 for g, _ in runs.values())
+
+
+@pytest.mark.parametrize("run", sorted(_recorded()))
+def test_stopping_rule_on_recorded_passes_stops_only_at_looks_and_only_when_settled_or_capped(run):
+    gains, higher = _recorded()[run]
+    max_passes = len(gains)
+    looks = look_schedule(4, max_passes)
+    for n in range(2, max_passes + 1):
+        decision = decide(gains.iloc[:n], COMPARED, higher, 4, max_passes)
+        settled = all(d.excludes_zero or d.width_pct < NARROW_PCT for d in decision.differences)
+        assert decision.stop == (n == max_passes or (n in looks and settled))
+        for d in decision.differences:
+            assert d.lo_pct <= d.mean_pct <= d.hi_pct
+            # the interval is the t-interval at the level the look spends, in the metric's percent
+            level = decision.differences[0].level
+            g = gains[d.name].iloc[:n].to_numpy()
+            half = scipy.stats.t.ppf(1 - (1 - level) / 2, n - 1) * g.std(ddof=1) / math.sqrt(n)
+            assert d.lo_pct == pytest.approx(to_pct(g.mean() - half, higher), abs=1e-3)
+            assert d.hi_pct == pytest.approx(to_pct(g.mean() + half, higher), abs=1e-3)
+
+
+@pytest.mark.parametrize("run", sorted(_recorded()))
+def test_verdict_never_claims_a_win_when_the_interval_holds_zero(run):
+    gains, higher = _recorded()[run]
+    for n in range(2, len(gains) + 1):
+        decision = decide(gains.iloc[:n], COMPARED, higher, 4, len(gains))
+        text = verdict_text(decision.differences, "mean e2e latency", n, "measured", False, static_steps=2)
+        by_name = {d.name: d for d in decision.differences}
+        hardest_static = min((by_name["static"], by_name["target"]), key=lambda d: d.mean_pct)
+        for d, label in ((by_name["sglang-default"], "SGLang's default"), (hardest_static, "the best static config")):
+            if d.lo_pct <= 0 <= d.hi_pct:
+                assert f"not distinguishable from {label}" in text and f"better than {label}" not in text
+            elif d.lo_pct > 0:
+                assert f"better than {label}" in text and f"by {abs(d.mean_pct):.1f}% [{d.lo_pct:.1f}, {d.hi_pct:.1f}]" in text
+            else:
+                assert f"worse than {label}" in text and "better than " + label not in text
