@@ -126,13 +126,19 @@ class DFlashHead:
         parts = [self.context_in[tokens[:, :-1]] + self.context_pos] if c.context_tokens > 1 else []  # [B, W-1, H]
         x = torch.cat([*parts, cond[:, None], cond[:, None] + self.slot_embed[:num_slots]], dim=1)  # [B, S, H]
         seq = x.shape[1]
-        for layer in self.layers:
+        # The last layer computes only the K slot rows (queries), reading keys and values of the whole block.
+        last_mask = torch.ones(num_slots, seq, dtype=torch.bool).tril(seq - num_slots)  # slot i sees rows <= S - K + i
+        for n, layer in enumerate(self.layers):
             q, k, v = (rms_normalize(x, eps) @ layer.qkv).view(bsz, seq, 3, heads, -1).permute(2, 0, 3, 1, 4)  # 3 x [B, h, S, Dh]
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, h, S, Dh]
-            x = x + attn.transpose(1, 2).reshape(bsz, seq, -1) @ layer.o
+            if n == len(self.layers) - 1:
+                x, q = x[:, -num_slots:], q[:, :, -num_slots:]
+                attn = F.scaled_dot_product_attention(q, k, v, attn_mask=last_mask)  # [B, h, K, Dh]
+            else:
+                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, h, S, Dh]
+            x = x + attn.transpose(1, 2).reshape(bsz, x.shape[1], -1) @ layer.o
             gate, up = (rms_normalize(x, eps) @ layer.gate_up).chunk(2, dim=-1)
             x = x + (F.silu(gate) * up) @ layer.down
-        slots = rms_normalize(rms_normalize(x[:, -num_slots:], eps) @ self.w_out, eps)  # [B, K, D] in the target's feature space
+        slots = rms_normalize(rms_normalize(x, eps) @ self.w_out, eps)  # [B, K, D] in the target's feature space
         return slots @ self.lm_head
 
 
