@@ -7,7 +7,8 @@ x_{t+1}, the target's next-token distributions at t+1 .. t+K along that continua
 every anchor is a situation the head meets when its earlier drafts were accepted, which is the only case in which
 a later draft matters; trained on the corpus instead, slot k would learn the target's choice after text the target
 would not have written. Only `dflash_anchors` random anchors per sequence are trained each step (DFlash's sequence
-sparsification); the target's features are recomputed per batch, as for the EAGLE head.
+sparsification); the target's features and distributions along the continuations are computed once, since every
+sequence is visited many times.
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from spectune.engine.dflash import DFlashConfig
+
+if TYPE_CHECKING:  # train.py imports this module
+    from spectune.engine.train import Eagle, TargetPaths, TrainConfig
 
 
 class _Layer(torch.nn.Module):
@@ -79,7 +84,7 @@ class DFlash:
         return feature @ self.lm_head
 
 
-def head_config(target: LlamaForCausalLM, cfg) -> DFlashConfig:
+def head_config(target: LlamaForCausalLM, cfg: TrainConfig) -> DFlashConfig:
     return DFlashConfig(
         hidden_size=target.config.hidden_size, head_size=cfg.dflash_head_size, intermediate_size=cfg.dflash_intermediate_size,
         num_layers=cfg.dflash_layers, num_heads=cfg.dflash_heads, block_size=cfg.dflash_block_size,
@@ -99,7 +104,7 @@ class Continuations:
 
 
 @torch.no_grad()
-def greedy_continuations(target: LlamaForCausalLM, stream: torch.Tensor, cfg) -> torch.Tensor:
+def greedy_continuations(target: LlamaForCausalLM, stream: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
     """[N, prefix + generated]: corpus windows, each followed by the target's greedy continuation."""
     from spectune.engine.train import greedy_generate
 
@@ -121,7 +126,7 @@ def continuation_targets(target: LlamaForCausalLM, sequences: torch.Tensor, pref
     return Continuations(sequences[:, prefix - 1 :], features, probs)
 
 
-def train_dflash(target: LlamaForCausalLM, stream: torch.Tensor, cfg) -> DFlash:
+def train_dflash(target: LlamaForCausalLM, stream: torch.Tensor, cfg: TrainConfig) -> DFlash:
     """Distil the head: for random anchors t on the target's greedy continuations, cross-entropy of slot k's draft
     distribution (over the draft vocabulary) to the target's distribution of x_{t+2+k}, slot k weighted by
     cfg.dflash_position_decay ** k."""
@@ -191,7 +196,7 @@ def block_survival(target: LlamaForCausalLM, dflash: DFlash, tokens: torch.Tenso
 
 
 @torch.no_grad()
-def chain_survival(target: LlamaForCausalLM, eagle, tokens: torch.Tensor, choices: torch.Tensor, num_slots: int) -> torch.Tensor:
+def chain_survival(target: LlamaForCausalLM, eagle: Eagle, tokens: torch.Tensor, choices: torch.Tensor, num_slots: int) -> torch.Tensor:
     """block_survival for the autoregressive EAGLE head (train.Eagle): each step feeds its own draft back."""
     from spectune.engine.train import target_features
 
@@ -218,7 +223,7 @@ def _anchors(tokens: torch.Tensor, choices: torch.Tensor, num_slots: int, width:
     return {"t": t, "rows": rows, "window": tokens[rows[..., None], window]}, drafts
 
 
-def survival_table(target: LlamaForCausalLM, dflash: DFlash, eagle, paths) -> dict[str, dict[str, torch.Tensor]]:
+def survival_table(target: LlamaForCausalLM, dflash: DFlash, eagle: Eagle | None, paths: TargetPaths) -> dict[str, dict[str, torch.Tensor]]:
     """Per drafter (dflash; eagle when given, a train.Eagle), per workload of `paths` (train.TargetPaths): S_1..S_K."""
     k = dflash.head.config.block_size
     table = {"dflash": {name: block_survival(target, dflash, tokens, paths.choices[name], k) for name, tokens in paths.tokens.items()}}
@@ -255,7 +260,7 @@ def write_dflash_dir(dflash: DFlash, readme: str, out: Path) -> None:
     staging.rename(out)
 
 
-def dflash_readme(dflash: DFlash, survival: dict[str, dict[str, torch.Tensor]], cfg, command: str) -> str:
+def dflash_readme(dflash: DFlash, survival: dict[str, dict[str, torch.Tensor]], cfg: TrainConfig, command: str) -> str:
     """survival: per drafter ("dflash", "eagle"), per workload, S_1..S_K along the target's greedy paths."""
     c = dflash.head.config
     size = sum(p.numel() for p in dflash.head.parameters())
