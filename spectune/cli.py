@@ -23,8 +23,9 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, help="Model name in the API. Default: the model dir's name."),
     speculative_config: Optional[str] = typer.Option(
         None, help='vLLM-style JSON, e.g. \'{"method": "eagle", "num_speculative_tokens": 3}\', '
+        '\'{"method": "dflash", "num_speculative_tokens": 6}\' (a parallel block drafter: K drafts in one pass), '
         '\'{"method": "draft_model", "num_speculative_tokens": 3}\' or '
-        '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'. Without "model", eagle and '
+        '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'. Without "model", eagle, dflash and '
         'draft_model use the shipped head / draft. Default: no speculation.'),
     draft_noise: Optional[float] = typer.Option(
         None, help="draft_model without \"model\": draft with the shipped target plus Gaussian noise of this many times each "

@@ -116,3 +116,26 @@ def eagle_head(target: Path, out: Path, *, draft_vocab: int, steps: int = 0, see
                       eagle_head_size=64, eagle_intermediate_size=128, eagle_vocab_size=draft_vocab, repeat_fraction=0.0)
     save_eagle(train_eagle(model, stream, cfg), out)
     return out
+
+
+def dflash_head(target: Path, out: Path, *, draft_vocab: int, steps: int = 0, seed: int = 0, block_size: int = 8) -> Path:
+    """A dflash head (parallel block drafter) for `target` made by spectune's own trainer: `steps` of distillation
+    (0: untrained, random weights) on the target's greedy continuations of text it samples itself."""
+    from transformers import LlamaForCausalLM
+
+    from spectune.engine.train import TrainConfig
+    from spectune.engine.train_dflash import save_dflash, train_dflash
+
+    model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    starts = torch.randint(2, vocab, (16, 4), generator=torch.Generator().manual_seed(seed))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        text = model.generate(starts, do_sample=True, temperature=0.7, top_k=0, max_new_tokens=120, min_new_tokens=120,
+                              pad_token_id=0)
+    cfg = TrainConfig(seed=seed, batch_size=8, vocab_size=vocab, warmup_steps=5, dflash_steps=steps, dflash_head_size=64,
+                      dflash_intermediate_size=128, dflash_layers=1, dflash_heads=2, dflash_block_size=block_size,
+                      dflash_context_tokens=2, dflash_vocab_size=draft_vocab, dflash_sequences=256, dflash_prefix=4,
+                      dflash_generated=16, dflash_anchors=8, dflash_position_decay=0.5)
+    save_dflash(train_dflash(model, text.flatten(), cfg), out)
+    return out

@@ -37,7 +37,7 @@ def test_ngram_lookup_defaults_follow_vllm():
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min=4"),
         ('{"method": "draft_model", "num_speculative_tokens": 2, "prompt_lookup_max": 2}', "ngram only"),
-        ('{"method": "ngram", "num_speculative_tokens": 2, "model": "/x"}', "draft_model and eagle only"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "model": "/x"}', "draft_model, eagle, dflash only"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[2, 4, 1]]}', "start at batch size 1"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 4, 1], [3, 8, 0]]}', "overlap"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 4, -1]]}', "k >= 0"),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_models import eagle_head, llama
+from engine_models import dflash_head, eagle_head, llama
 from scipy.stats import chisquare
 
 import spectune.engine.runner as runner_module
@@ -31,13 +31,14 @@ ALPHA = 1e-3  # a correct sampler fails this test one run in a thousand
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> tuple[Path, Path, Path]:
+def models(tmp_path_factory) -> tuple[Path, Path, Path, Path]:
     root = tmp_path_factory.mktemp("sampling")
     # A draft with other random weights: q differs from p a lot, so rejections (and their resampling) are common.
     target = llama(root / "target", VOCAB, layers=1, hidden=32, init_std=0.5)
     draft = llama(root / "draft", VOCAB, layers=1, hidden=32, init_std=0.5, seed=7)
-    # an untrained EAGLE head (random weights) whose draft vocabulary leaves out 2 of the 8 tokens: q = 0 there
-    return target, draft, eagle_head(target, root / "eagle", draft_vocab=VOCAB - 2, steps=0)
+    # untrained EAGLE and dflash heads (random weights) whose draft vocabulary leaves out 2 of the 8 tokens: q = 0 there
+    return (target, draft, eagle_head(target, root / "eagle", draft_vocab=VOCAB - 2, steps=0),
+            dflash_head(target, root / "dflash", draft_vocab=VOCAB - 2, steps=0))
 
 
 def exact_pair_distribution(target: Path) -> torch.Tensor:
@@ -59,8 +60,8 @@ def sample_pairs(target: Path, draft: Path | None, method: str | None) -> torch.
     spec = None
     if method == "draft_model":
         spec = SpeculativeConfig.parse({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
-    elif method == "eagle":
-        spec = SpeculativeConfig.parse({"method": "eagle", "model": str(draft), "num_speculative_tokens": 3})
+    elif method in ("eagle", "dflash"):
+        spec = SpeculativeConfig.parse({"method": method, "model": str(draft), "num_speculative_tokens": 3})
     elif method == "ngram":
         spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
     engine = LLMEngine(EngineConfig(model=target, speculative=spec, max_num_seqs=64))
@@ -84,10 +85,10 @@ def chi_square_p(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
 
 
-@pytest.mark.parametrize("method", [None, "draft_model", "eagle", "ngram"], ids=["target_only", "draft_model", "eagle", "ngram"])
+@pytest.mark.parametrize("method", [None, "draft_model", "eagle", "dflash", "ngram"], ids=["target_only", "draft_model", "eagle", "dflash", "ngram"])
 def test_sampled_output_matches_target_distribution(models, method):
-    target, draft, eagle = models
-    p = chi_square_p(sample_pairs(target, eagle if method == "eagle" else draft, method), exact_pair_distribution(target))
+    target, draft, eagle, dflash = models
+    p = chi_square_p(sample_pairs(target, {"eagle": eagle, "dflash": dflash}.get(method, draft), method), exact_pair_distribution(target))
     assert p > ALPHA, f"output distribution differs from the target's (chi-square p={p:.2e})"
 
 
@@ -101,14 +102,14 @@ def _resample_from_target_on_reject(draft, num_draft, draft_probs, target_probs,
 
 def test_chi_square_catches_broken_rule_injected(models, monkeypatch):
     """A fault no real part produces, injected by replacing the engine's verify function: the same test must fail."""
-    target, draft, _ = models
+    target, draft, *_ = models
     monkeypatch.setattr(runner_module, "rejection_verify", _resample_from_target_on_reject)
     p = chi_square_p(sample_pairs(target, draft, "draft_model"), exact_pair_distribution(target))
     assert p < ALPHA, f"the broken rule went unnoticed (p={p:.2e}); the test has no power"
 
 
 def test_seeded_requests_are_reproducible(models):
-    target, draft, _ = models
+    target, draft, *_ = models
     spec = SpeculativeConfig.parse({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
 
     def run(seeds: list[int]) -> list[list[int]]:

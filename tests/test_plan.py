@@ -17,7 +17,13 @@ def test_shipped_plans_load_and_expand_step_lists():
     assert names[0] == "target" and not plan.servers[0].is_speculative
     assert "draft-g2" in names and "draft-g4" in names
     assert {s.num_speculative_tokens for s in plan.servers if s.name.startswith("draft")} == {2, 4}
+    # the parallel drafter beside the EAGLE head, at the same step counts
+    steps = {m: {s.num_speculative_tokens for s in plan.servers if s.method == m} for m in ("eagle", "dflash")}
+    assert steps["dflash"] == steps["eagle"] == {2, 4}
     load_plan(REPO / "configs" / "vllm-cpu.toml")
+    parallel = load_plan(REPO / "configs" / "parallel-drafting.toml")
+    assert {(s.method, s.num_speculative_tokens) for s in parallel.servers if s.is_speculative} == {
+        (m, k) for m in ("eagle", "dflash") for k in range(1, 9)}
 
 
 def test_plan_digest_changes_with_any_field():

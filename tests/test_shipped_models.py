@@ -82,11 +82,11 @@ def test_shipped_weights_are_small_fp16_safetensors():
     from safetensors import safe_open
 
     total = 0
-    for model_dir in (shipped.target_path(), shipped.draft_path(), shipped.eagle_path()):
+    for model_dir in (shipped.target_path(), shipped.draft_path(), shipped.eagle_path(), shipped.dflash_path()):
         with safe_open(model_dir / shipped.WEIGHTS, framework="pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys() if k != "draft_vocab"} == {"F16"}
         total += sum(p.stat().st_size for p in model_dir.iterdir())
-    assert total < 20e6
+    assert total < 25e6
 
 
 def test_target_models_held_out_code_better_than_the_draft_and_far_better_than_chance(target, draft, held_out):
@@ -127,6 +127,32 @@ def test_eagle_head_agrees_with_target_far_more_than_an_untrained_head(target, h
     assert trained.code > 0.5
     assert untrained.code < 0.1
     assert trained.random > untrained.random
+
+
+def test_dflash_head_agrees_with_target_far_more_than_an_untrained_head(target, paths):
+    """The shipped block drafter, loaded as its trainer's module, against the same module with random weights:
+    first-draft agreement along the target's greedy path, and the share of whole 4-token blocks it gets right."""
+    from safetensors.torch import load_file
+
+    from spectune.engine import train_dflash
+    from spectune.engine.dflash import DFlashConfig
+
+    config = DFlashConfig.from_dir(shipped.dflash_path())
+    weights = load_file(str(shipped.dflash_path() / shipped.WEIGHTS))
+    vocab = weights.pop("draft_vocab").long()
+    lm_head = (target.model.norm.weight[:, None] * target.lm_head.weight.t()).detach()[:, vocab]
+
+    def survival(trained: bool) -> torch.Tensor:
+        torch.manual_seed(1)
+        head = train_dflash.DFlashTrainHead(config)
+        if trained:
+            head.load_state_dict({k: v.float() for k, v in weights.items()})
+        dflash = train_dflash.DFlash(head.eval(), vocab, lm_head, 0.0, [], 0.0, 0.0)
+        return train_dflash.block_survival(target, dflash, paths.tokens["code"], paths.choices["code"], 4)
+
+    trained, untrained = survival(True), survival(False)
+    assert trained[0] > 0.5 and untrained[0] < 0.1
+    assert trained[3] > untrained[3] + 0.2
 
 
 def test_noisy_drafts_agree_less_as_noise_grows(monkeypatch, tmp_path, paths):
@@ -209,8 +235,8 @@ def test_gguf_conversion_runs_in_llama_server_with_the_same_tokens(tmp_path, tar
 
 
 def test_training_script_is_deterministic_end_to_end(tmp_path):
-    args = ["--steps", "2", "--draft-steps", "1", "--eagle-steps", "2", "--batch-size", "4", "--corpus-mb", "0.3",
-            "--seed", "3", "--eval-prompts", "2"]
+    args = ["--steps", "2", "--draft-steps", "1", "--eagle-steps", "2", "--dflash-steps", "2", "--dflash-sequences", "4",
+            "--batch-size", "4", "--corpus-mb", "0.3", "--seed", "3", "--eval-prompts", "2"]
     for name in ("a", "b"):
         train.main(["--out", str(tmp_path / name), *args])
     for model in ("target", "draft"):
@@ -223,6 +249,12 @@ def test_training_script_is_deterministic_end_to_end(tmp_path):
     shutil.rmtree(tmp_path / "b" / "eagle")
     train.main(["--out", str(tmp_path / "b"), "--eagle-only", *args])
     assert (tmp_path / "b" / "eagle" / shipped.WEIGHTS).read_bytes() == head
+    # and --dflash-only the dflash head
+    block = (tmp_path / "a" / "dflash" / shipped.WEIGHTS).read_bytes()
+    assert block == (tmp_path / "b" / "dflash" / shipped.WEIGHTS).read_bytes()
+    shutil.rmtree(tmp_path / "b" / "dflash")
+    train.main(["--out", str(tmp_path / "b"), "--dflash-only", *args])
+    assert (tmp_path / "b" / "dflash" / shipped.WEIGHTS).read_bytes() == block
     assert not [p for p in tmp_path.rglob(".*")]  # no staging dirs left behind
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "a" / "draft")
     assert loaded.config.num_hidden_layers == 1

@@ -7,8 +7,9 @@ import pandas as pd
 
 from sweep_helpers import SMALL_PLAN, sweep_cmd, write_plan
 
-# the shipped EAGLE head too, launched like the others (no `draft_model`: the engine's default head)
-PLAN = SMALL_PLAN + '\n[[servers]]\nname = "eagle"\nmethod = "eagle"\nnum_speculative_tokens = 3\n'
+# the shipped EAGLE and dflash heads too, launched like the others (no `draft_model`: the engine's default heads)
+PLAN = SMALL_PLAN + '\n[[servers]]\nname = "eagle"\nmethod = "eagle"\nnum_speculative_tokens = 3\n' \
+    + '\n[[servers]]\nname = "dflash"\nmethod = "dflash"\nnum_speculative_tokens = 5\n'
 
 
 def test_sweep_writes_results_with_identical_traffic_and_identical_greedy_text(tmp_path, spectune_cmd):
@@ -17,11 +18,12 @@ def test_sweep_writes_results_with_identical_traffic_and_identical_greedy_text(t
     assert proc.returncode == 0, proc.stdout + proc.stderr
     manifest = json.loads((out / "run.json").read_text())
     assert manifest["status"] == "complete"
-    assert manifest["progress"]["done"] == 8 and manifest["progress"]["failed"] == 0
+    assert manifest["progress"]["done"] == 10 and manifest["progress"]["failed"] == 0
     assert set(manifest["traffic_digests"]) == {"1", "3"}
 
     cells = pd.read_parquet(out / "cells.parquet")
-    assert len(cells) == 8 and (cells["status"] == "ok").all()
+    assert len(cells) == 10 and (cells["status"] == "ok").all()
+    assert set(cells.loc[cells["server"] == "dflash", "method"]) == {"dflash"}  # the method is recorded
     # Identical traffic: every server got the byte-identical request list at each batch size.
     for bs, group in cells.groupby("batch_size"):
         assert set(group["traffic_digest"]) == {manifest["traffic_digests"][str(bs)]}
@@ -38,12 +40,12 @@ def test_sweep_writes_results_with_identical_traffic_and_identical_greedy_text(t
     requests["bs"] = requests["cell"].str.split("__").str[1]
     texts = requests.pivot_table(index=["bs", "index"], columns="server", values="text", aggfunc="first")
     assert len(texts) == 4 + 6
-    for server in ("draft", "eagle", "ngram"):
+    for server in ("draft", "eagle", "dflash", "ngram"):
         assert (texts[server] == texts["target"]).all(), texts[texts[server] != texts["target"]]
     assert (requests["output_tokens"] == 12).all()
 
     summary = pd.read_parquet(out / "summary.parquet")
-    assert set(summary["server"]) == {"draft", "eagle", "ngram"} and set(summary["batch_size"]) == {1, 3}
+    assert set(summary["server"]) == {"draft", "eagle", "dflash", "ngram"} and set(summary["batch_size"]) == {1, 3}
 
     rep = subprocess.run([*spectune_cmd, "report", str(out), "--out", str(tmp_path / "report")], capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0, rep.stderr

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from spectune.errors import SpectuneError
 
-METHODS = ("draft_model", "eagle", "ngram")
+METHODS = ("draft_model", "eagle", "dflash", "ngram")
+MODEL_METHODS = ("draft_model", "eagle", "dflash")  # methods that take `model`
 SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
 _SPEC_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", SCHEDULE_KEY)
 
@@ -19,7 +20,7 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    model: Path | None = None  # draft_model / eagle only; None -> the shipped draft / EAGLE head
+    model: Path | None = None  # draft_model / eagle / dflash only; None -> the shipped draft / head
     prompt_lookup_min: int = 0  # ngram only
     prompt_lookup_max: int = 0
     # vLLM dynamic SD: inclusive batch-size ranges (start, end, k); k = 0 -> plain decode at that batch size.
@@ -45,8 +46,8 @@ class SpeculativeConfig:
             raise SpectuneError(f"{where}.method: {source.get('method')!r} is not supported; use one of {', '.join(METHODS)}")
         k = _int(source.get("num_speculative_tokens"), f"{where}.num_speculative_tokens", minimum=1)
         model = source.get("model")
-        if model is not None and (method not in ("draft_model", "eagle") or not isinstance(model, str)):
-            raise SpectuneError(f"{where}.model: must be a checkpoint dir path and applies to methods draft_model and eagle only")
+        if model is not None and (method not in MODEL_METHODS or not isinstance(model, str)):
+            raise SpectuneError(f"{where}.model: must be a checkpoint dir path and applies to methods {', '.join(MODEL_METHODS)} only")
         lookup_min, lookup_max = source.get("prompt_lookup_min"), source.get("prompt_lookup_max")
         if method == "ngram":
             # vLLM's defaults: one given -> both equal; none given -> 5.

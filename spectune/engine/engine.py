@@ -19,8 +19,9 @@ import torch
 
 from spectune.engine.config import EngineConfig
 from spectune.engine.model import ModelConfig, load_model
+from spectune.engine.dflash import load_dflash
 from spectune.engine.eagle import load_eagle
-from spectune.engine.proposers import DraftModelProposer, EagleProposer, NgramProposer, Proposer
+from spectune.engine.proposers import DFlashProposer, DraftModelProposer, EagleProposer, NgramProposer, Proposer
 from spectune.engine.runner import ModelRunner, RoundResult
 from spectune.engine.scheduler import RequestOutput, SamplingParams, Scheduler, Sequence, make_step_policy
 from spectune.errors import SpectuneError
@@ -69,6 +70,13 @@ class LLMEngine:
             proposer = DraftModelProposer(draft, config.max_num_seqs)
         elif spec is not None and spec.method == "eagle":
             proposer = EagleProposer(load_eagle(spec.model or _shipped().eagle_path(), target), config.max_num_seqs)
+        elif spec is not None and spec.method == "dflash":
+            head_path = spec.model or _shipped().dflash_path()
+            head = load_dflash(head_path, target)
+            if spec.num_speculative_tokens > head.config.block_size:
+                raise SpectuneError(f"--speculative-config.num_speculative_tokens: {spec.num_speculative_tokens} exceeds the dflash "
+                                    f"head's block_size {head.config.block_size} ({head_path / 'config.json'}); use at most that")
+            proposer = DFlashProposer(head, config.max_num_seqs)
         elif spec is not None:
             proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.vocab_size = target.config.vocab_size

@@ -1,5 +1,5 @@
 """Draft proposers: a small draft model with its own KV cache, an EAGLE-style head on the target's hidden
-states, or n-gram prompt lookup."""
+states, a parallel (DFlash-style) block drafter on the same states, or n-gram prompt lookup."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from spectune.engine.dflash import DFlashHead
 from spectune.engine.eagle import EagleHead
 from spectune.engine.model import Llama
 from spectune.engine.scheduler import Sequence
@@ -162,6 +163,40 @@ class EagleProposer:
             else:
                 token = vocab[logits.argmax(-1)]
             tokens[:, step] = token
+        return Proposal(tokens, torch.tensor([min(steps, limit) for limit in limits]), probs)
+
+
+class DFlashProposer:
+    """Drafts a whole block in one pass of a DFlash-style head (dflash.py) from the target's feature at each
+    sequence's last processed position (kept per KV slot, as EagleProposer does) and its last few tokens."""
+
+    def __init__(self, head: DFlashHead, num_slots: int):
+        self.head = head
+        self.features = torch.zeros(num_slots, head.config.hidden_size)
+
+    def prefill(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        self.observe(seqs, hidden)
+
+    def observe(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        self.features[[seq.slot for seq in seqs]] = hidden
+
+    def propose(
+        self, seqs: list[Sequence], num_steps: int, limits: list[int], temperatures: torch.Tensor, uniforms: torch.Tensor
+    ) -> Proposal:
+        steps = min(num_steps, max(limits), self.head.config.block_size)  # a step policy may ask past the block
+        width = self.head.config.context_tokens
+        # the last W tokens; a sequence shorter than that repeats its first token on the left
+        recent = torch.tensor([([seq.token_ids[0]] * width + seq.token_ids[-width:])[-width:] for seq in seqs])  # [B, W]
+        logits = self.head.draft(self.features[[seq.slot for seq in seqs]], recent, steps)  # [B, K, Vd]
+        vocab = self.head.vocab
+        probs = None
+        if bool((temperatures > 0).any()):
+            q = probs_from_logits(logits, temperatures)  # [B, K, Vd]; each slot drawn on its own, from its own q
+            tokens = vocab[sample(q, uniforms[:, :steps])]
+            probs = torch.zeros(len(seqs), steps, self.head.vocab_size)
+            probs[:, :, vocab] = q  # zero outside the draft vocabulary
+        else:
+            tokens = vocab[logits.argmax(-1)]
         return Proposal(tokens, torch.tensor([min(steps, limit) for limit in limits]), probs)
 
 

@@ -53,6 +53,11 @@ def eagle_path() -> Path:
     return _shipped("eagle")
 
 
+def dflash_path() -> Path:
+    """The shipped parallel block drafter (dflash.py): K drafts in one pass from the target's hidden state."""
+    return _shipped("dflash")
+
+
 def perturbed(tensors: dict[str, torch.Tensor], noise: float, seed: int) -> dict[str, torch.Tensor]:
     """Each tensor plus Gaussian noise of std `noise` x the tensor's own std, in its own dtype.
 

@@ -1,12 +1,15 @@
-"""Train the shipped tokenizer, target and draft on the Python standard library's own sources.
+"""Train the shipped tokenizer, target, draft and draft heads on the Python standard library's own sources.
 
     python -m spectune.engine.train --out spectune/engine/assets [--steps N] [--seed S]
 
 Everything is local and deterministic from the seed (same Python stdlib, torch version and thread
 count give identical bytes): a byte-level BPE tokenizer (GPT-2 pre-tokenizer regex), a 4-layer Llama
-target trained on next-token loss, and a 1-layer Llama draft that shares the target's frozen embeddings
-and learns its layer by distillation (KL to the target's logits). The script measures the draft's greedy
-agreement with the target per workload and writes it, with the losses and timings, to <out>/README.md.
+target trained on next-token loss, a 1-layer Llama draft that shares the target's frozen embeddings
+and learns its layer by distillation (KL to the target's logits), an EAGLE-style head (eagle.py) and a
+parallel block drafter (dflash.py, trained in train_dflash.py) on the target's hidden states. The script
+measures the drafts' greedy agreement with the target per workload and writes it, with the losses and
+timings, to <out>/README.md (the heads' figures to eagle/README.md and dflash/README.md).
+`--eagle-only` / `--dflash-only` remake one head from the target already in --out.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from spectune.engine.train_dflash import DFlash, dflash_readme, survival_table, train_dflash, write_dflash_dir
 
 EOS = "<|endoftext|>"
 EOS_ID = 0  # the only special token, trained first
@@ -63,6 +68,23 @@ class TrainConfig:
     eagle_head_size: int = 192
     eagle_intermediate_size: int = 384
     eagle_vocab_size: int = 768  # the most frequent training tokens
+    # Parallel block drafter (dflash.py, train_dflash.py). Capacity did not limit it here: one layer of width
+    # 192, 256 or 384 and two of 256 drafted within 0.15 expected tokens per round of each other at K = 8, so the
+    # cheapest (benchmarks/README.md, "Parallel drafting").
+    dflash_steps: int = 3500
+    dflash_lr: float = 3e-3
+    dflash_head_size: int = 192
+    dflash_intermediate_size: int = 384
+    dflash_layers: int = 1
+    dflash_heads: int = 4
+    dflash_block_size: int = 8  # most drafts per pass
+    dflash_context_tokens: int = 4  # recent tokens in the block, the last one included
+    dflash_vocab_size: int = 768
+    dflash_sequences: int = 3072  # greedy continuations of the target to train on
+    dflash_prefix: int = 32  # corpus tokens before each continuation
+    dflash_generated: int = 80  # tokens per continuation
+    dflash_anchors: int = 16  # block positions trained per sequence and step
+    dflash_position_decay: float = 0.6  # loss weight of draft position k: decay ** k (0.8 measured no better)
 
 
 @dataclass(slots=True, frozen=True)
@@ -455,13 +477,13 @@ def held_out_loss(model: LlamaForCausalLM, held_out: torch.Tensor, seq_len: int,
 # --- the whole run ----------------------------------------------------------------------------
 
 
-def train(out: Path, cfg: TrainConfig, command: str, eagle_only: bool = False) -> None:
-    """Build tokenizer, target, draft and EAGLE head into `out` (replaced as a whole when done)."""
+def train(out: Path, cfg: TrainConfig, command: str, eagle_only: bool = False, dflash_only: bool = False) -> None:
+    """Build tokenizer, target, draft, EAGLE head and dflash head into `out` (replaced as a whole when done)."""
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(cfg.threads)
     torch.use_deterministic_algorithms(True)
     try:
-        (train_eagle_only if eagle_only else _build)(out, cfg, command)
+        (train_eagle_only if eagle_only else train_dflash_only if dflash_only else _build)(out, cfg, command)
     finally:  # leave a calling process (a test) as it was
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
@@ -482,6 +504,7 @@ def _build(out: Path, cfg: TrainConfig, command: str) -> None:
     target, target_losses, target_step_s = train_target(stream, cfg)
     draft, draft_losses, draft_step_s = train_draft(target, stream, cfg)
     eagle = train_eagle(target, stream, cfg)
+    dflash = train_dflash(target, stream, cfg)
 
     prompts = eval_prompts(held_out, cfg, cfg.seed)
     paths = target_paths(target, prompts, cfg.eval_new_tokens)
@@ -511,7 +534,8 @@ def _build(out: Path, cfg: TrainConfig, command: str) -> None:
         prompt_text=tokenizer.decode(prompts["code"][0].tolist()),
         sample_text=tokenizer.decode(sample_ids),
     )
-    print(write_assets(out, target, draft, eagle, tokenizer, report), flush=True)
+    dflash_text = dflash_readme(dflash, survival_table(target, dflash, eagle, paths), cfg, command + " --dflash-only")
+    print(write_assets(out, target, draft, eagle, (dflash, dflash_text), tokenizer, report), flush=True)
 
 
 def train_eagle_only(out: Path, cfg: TrainConfig, command: str) -> None:
@@ -530,6 +554,31 @@ def train_eagle_only(out: Path, cfg: TrainConfig, command: str) -> None:
     shutil.rmtree(out / "eagle", ignore_errors=True)
     staging.rename(out / "eagle")
     print((out / "eagle" / "README.md").read_text(), flush=True)
+
+
+def train_dflash_only(out: Path, cfg: TrainConfig, command: str) -> None:
+    """Retrain only the dflash head, on the target already in `out` (what a full run would make from it); the
+    EAGLE head in `out`, if any, is measured beside it."""
+    from safetensors.torch import load_file
+
+    from spectune.engine.eagle import EagleConfig
+
+    target = LlamaForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval()
+    tokenizer = Tokenizer.from_file(str(out / "target" / "tokenizer.json"))
+    train_files, eval_files = split_corpus(corpus_files(cfg.corpus_mb))
+    dflash = train_dflash(target, encode_stream(tokenizer, read_texts(train_files)), cfg)
+    paths = target_paths(target, eval_prompts(encode_stream(tokenizer, read_texts(eval_files)), cfg, cfg.seed), cfg.eval_new_tokens)
+    eagle = None
+    if (out / "eagle" / "model.safetensors").is_file():
+        config = EagleConfig.from_dir(out / "eagle")
+        weights = {k: v.float() for k, v in load_file(str(out / "eagle" / "model.safetensors")).items()}
+        vocab = weights.pop("draft_vocab").long()
+        head = EagleTrainHead(config.hidden_size, config.head_size, config.intermediate_size, config.rms_norm_eps)
+        head.load_state_dict(weights)
+        lm_head = (target.model.norm.weight[:, None] * target.lm_head.weight.t()).detach()[:, vocab]
+        eagle = Eagle(head.eval(), vocab, lm_head, 0.0, [], 0.0)
+    write_dflash_dir(dflash, dflash_readme(dflash, survival_table(target, dflash, eagle, paths), cfg, command), out / "dflash")
+    print((out / "dflash" / "README.md").read_text(), flush=True)
 
 
 def eagle_readme(eagle: Eagle, figures: Agreement, cfg: TrainConfig, command: str) -> str:
@@ -577,6 +626,9 @@ Made by `spectune/engine/train.py` (no hub, no downloads); this file is written 
   the layer warm-started from the target's first layer and trained by distillation (KL to the target).
 - `eagle/`: an EAGLE-style head (spectune/engine/eagle.py) on the target's hidden states, using the target's
   embeddings and LM head, trained to imitate the target's outputs; its own figures are in `eagle/README.md`.
+- `dflash/`: a parallel block drafter (spectune/engine/dflash.py, method `dflash`) on the same hidden states:
+  up to 8 drafts in one pass; its figures, with acceptance per draft position beside the EAGLE head's, are in
+  `dflash/README.md`.
 - Tokenizer (both dirs, identical): byte-level BPE trained on the Python {sys.version.split()[0]} standard
   library's sources, GPT-2 pre-tokenizer regex, one special token `{EOS}` (id {EOS_ID}, bos = eos).
 - Corpus: the stdlib's `.py` files in sorted order, minus {", ".join(sorted(SKIPPED_DIRS))}; every
@@ -628,8 +680,8 @@ Greedy sample from the target (prompt, then continuation):
 """
 
 
-def write_assets(out: Path, target: LlamaForCausalLM, draft: LlamaForCausalLM, eagle: Eagle, tokenizer: Tokenizer,
-                 report: RunReport) -> str:
+def write_assets(out: Path, target: LlamaForCausalLM, draft: LlamaForCausalLM, eagle: Eagle, dflash: tuple[DFlash, str],
+                 tokenizer: Tokenizer, report: RunReport) -> str:
     """Write into a temporary sibling, then swap it in, so readers never see half an asset set.
     Returns the README's text."""
     staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -640,6 +692,7 @@ def write_assets(out: Path, target: LlamaForCausalLM, draft: LlamaForCausalLM, e
     save_eagle(eagle, staging / "eagle")
     (staging / "eagle" / "README.md").write_text(
         eagle_readme(eagle, report.figures["eagle head (first draft)"], report.cfg, report.command + " --eagle-only"))
+    write_dflash_dir(*dflash, staging / "dflash")
     readme = report.markdown(sum(p.stat().st_size for p in staging.rglob("*") if p.is_file()))
     (staging / "README.md").write_text(readme)
     old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -664,15 +717,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-prompts", type=int, default=defaults.eval_prompts, help="prompts per workload")
     parser.add_argument("--eagle-only", action="store_true", help="retrain only the EAGLE head, on the target in --out")
     parser.add_argument("--eagle-steps", type=int, default=defaults.eagle_steps)
+    parser.add_argument("--dflash-only", action="store_true", help="retrain only the dflash head, on the target in --out")
+    parser.add_argument("--dflash-steps", type=int, default=defaults.dflash_steps)
+    parser.add_argument("--dflash-sequences", type=int, default=defaults.dflash_sequences,
+                        help="greedy continuations of the target the dflash head trains on")
+    parser.add_argument("--dflash-layers", type=int, default=defaults.dflash_layers)
+    parser.add_argument("--dflash-head-size", type=int, default=defaults.dflash_head_size, help="width (intermediate = 2x)")
     args = parser.parse_args(argv)
     cfg = TrainConfig(
         seed=args.seed, steps=args.steps,
         draft_steps=args.steps // 2 if args.draft_steps is None else args.draft_steps,
         batch_size=args.batch_size, corpus_mb=args.corpus_mb, threads=args.threads, eval_prompts=args.eval_prompts,
-        eagle_steps=args.eagle_steps,
+        eagle_steps=args.eagle_steps, dflash_steps=args.dflash_steps, dflash_sequences=args.dflash_sequences,
+        dflash_layers=args.dflash_layers, dflash_head_size=args.dflash_head_size, dflash_intermediate_size=2 * args.dflash_head_size,
     )
     command = " ".join(["python -m spectune.engine.train", *argv])
-    train(args.out, cfg, command, eagle_only=args.eagle_only)
+    if args.eagle_only and args.dflash_only:
+        parser.error("--eagle-only and --dflash-only: pick one")
+    train(args.out, cfg, command, eagle_only=args.eagle_only, dflash_only=args.dflash_only)
 
 
 if __name__ == "__main__":
