@@ -176,9 +176,12 @@ def method_tables(data: ReportData) -> list[tuple[str, str, Table]]:
                        [True] * 6)
         if len(m.steps) < 2:
             finding = f"Only g={m.steps[0]} was measured: nothing to choose between."
-        elif m.mean_loss < 0.005:
+        elif m.max_loss == 0:
             finding = (f"One g for every batch size costs nothing: g={m.single_g} was the fastest measured g at every batch size "
                        f"(g measured: {', '.join(map(str, m.steps))}).")
+        elif m.max_loss < 0.005:
+            finding = (f"One g for every batch size costs almost nothing: g={m.single_g} everywhere loses at most "
+                       f"{m.max_loss:.1%} of output throughput (g measured: {', '.join(map(str, m.steps))}).")
         else:
             finding = (f"Running g={m.single_g} at every batch size instead of the best g per batch size loses "
                        f"{m.mean_loss:.1%} of output throughput on average (up to {m.max_loss:.1%}; g measured: "
