@@ -51,13 +51,13 @@ def tuned(tmp_path_factory) -> Path:
     workload.write_text("".join(json.dumps({**r, "arrival_s": 0.2 * i}) + "\n" for i, r in enumerate(picked)))
     (root / "plan.toml").write_text(PLAN.format(workload=workload))
     _run(sweep_cmd(str(root / "plan.toml"), "--out", str(root / "run")))
-    cli = sweep_cmd()[:-1]
+    cli = sweep_cmd(stages=True)[:-1]  # python -m spectune.cli
     _run([*cli, "tune", str(root / "run"), "--method", "ngram", "--objective", "e2e", "--trials", "5", "--no-exhaustive"])
     return root / "run"
 
 
 def test_confirm_runs_rotated_paired_passes_resumes_and_writes_a_measured_verdict(tuned):
-    cli = sweep_cmd()[:-1]
+    cli = sweep_cmd(stages=True)[:-1]  # python -m spectune.cli
     report = json.loads((tuned / "tuned" / "tuning.json").read_text())
     assert report["verdict"]["source"] == "simulated" and "not measured" in report["verdict"]["text"]
     first = _run([*cli, "confirm", str(tuned), "--max-passes", "4", "--min-passes", "2", "--run-passes", "1"])

@@ -125,7 +125,8 @@ def test_batch_size_schedule_picks_k_per_batch_size_and_logs_rounds(models, tmp_
     assert all(r["num_steps"] == expected_k[r["batch_size"]] for r in rounds)
     assert {r["num_steps"] for r in rounds} == {0, 1, 3}  # every range was visited
     for r in rounds:
-        assert set(r) == {"t_s", "batch_size", "num_steps", "proposed", "accepted", "round_ms"}
+        assert set(r) == {"t_s", "start_s", "end_s", "batch_size", "num_steps", "proposed", "accepted", "round_ms", "request_ids"}
+        assert r["start_s"] <= r["end_s"] and len(r["request_ids"]) == r["batch_size"]
         assert len(r["proposed"]) == len(r["accepted"]) == r["batch_size"]
         assert all(0 <= a <= p <= r["num_steps"] for p, a in zip(r["proposed"], r["accepted"]))
         assert r["round_ms"] > 0
