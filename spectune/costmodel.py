@@ -109,6 +109,9 @@ class AcceptanceProfile:
 
     rates: tuple[float, ...]
     source: str = "per_position"  # or "constant" when only a mean acceptance was measured
+    # Standard error of S_i = P(at least i drafts accepted) per measured position, from the spread over cells;
+    # empty where unknown. Positions beyond the measured ones take the last.
+    survival_se: tuple[float, ...] = ()
 
     def rate_vector(self, k: int) -> np.ndarray:
         """a_1..a_k as an array ([k])."""
@@ -122,23 +125,45 @@ class AcceptanceProfile:
     def expected_tokens(self, g: int) -> float:
         return 1.0 + float(self.survival(g).sum()) if g > 0 else 1.0
 
+    def expected_tokens_interval(self, g: int, z: float = 1.96) -> tuple[float, float]:
+        """(low, high) of expected_tokens(g) at z standard errors of every S_i, taken as moving together (their
+        errors are positively correlated: S_i is a product of the rates before it), so the interval is wide rather
+        than narrow. (E, E) where no error is known."""
+        if g <= 0 or not self.survival_se:
+            e = self.expected_tokens(g)
+            return e, e
+        s = self.survival(g)
+        se = np.asarray(self.survival_se, dtype=float)[np.minimum(np.arange(g), len(self.survival_se) - 1)]
+        se = np.nan_to_num(se, nan=0.0)
+        return 1.0 + float(np.clip(s - z * se, 0.0, 1.0).sum()), 1.0 + float(np.clip(s + z * se, 0.0, 1.0).sum())
+
 
 @dataclass(frozen=True, slots=True)
 class RoundCost:
     """Round time in ms per batch size (see the module docstring). Between measured batch sizes the terms
-    are interpolated linearly; outside the range they are held at the nearest measured value."""
+    are interpolated linearly; beyond the range they continue the line through the two nearest measured batch
+    sizes (floored at 0): verify and draft work grow with the tokens a round processes, batch x (g + 1).
+
+    step_exponent p < 1 makes the draft cost concave in g: per_step_ms x step_units(g), where
+    step_units(g) = ((g + 1)^p - 1) / (2^p - 1) (= g at p = 1; 1 at g = 1 for every p). A CPU verifies
+    batch x (g + 1) tokens faster per token the more there are (measured on the embedded engine at batch 32:
+    rounds of 33, 46, 55, 67 ms at g = 1..4, not a line)."""
 
     batch_sizes: tuple[int, ...]
     target_ms: tuple[float, ...]
     draft_fixed_ms: tuple[float, ...]
     per_step_ms: tuple[float, ...]
+    step_exponent: float = 1.0
+
+    def step_units(self, steps):
+        return step_units(steps, self.step_exponent)
 
     def t_round(self, batch_size, steps):
         """ms for one round; scalars or broadcastable arrays. steps 0 = plain decode."""
         bs = np.asarray(batch_size, dtype=float)
         g = np.asarray(steps, dtype=float)
-        target = np.interp(bs, self.batch_sizes, self.target_ms)
-        draft = np.interp(bs, self.batch_sizes, self.draft_fixed_ms) + np.interp(bs, self.batch_sizes, self.per_step_ms) * g
+        target = _extrapolate(bs, self.batch_sizes, self.target_ms)
+        draft = _extrapolate(bs, self.batch_sizes, self.draft_fixed_ms) + _extrapolate(bs, self.batch_sizes, self.per_step_ms) * self.step_units(g)
         t = target + np.where(g > 0, draft, 0.0)
         return float(t) if t.ndim == 0 else t
 
@@ -147,9 +172,27 @@ class RoundCost:
         the proposer's fixed cost is still paid)."""
         bs = np.asarray(batch_size, dtype=float)
         w = np.asarray(width, dtype=float)
-        t = (np.interp(bs, self.batch_sizes, self.target_ms) + np.interp(bs, self.batch_sizes, self.draft_fixed_ms)
-             + np.interp(bs, self.batch_sizes, self.per_step_ms) * w)
+        t = (_extrapolate(bs, self.batch_sizes, self.target_ms) + _extrapolate(bs, self.batch_sizes, self.draft_fixed_ms)
+             + _extrapolate(bs, self.batch_sizes, self.per_step_ms) * self.step_units(w))
         return float(t) if t.ndim == 0 else t
+
+
+def step_units(steps, exponent: float = 1.0):
+    """((g + 1)^p - 1) / (2^p - 1): the draft positions a round pays for, g at p = 1 (RoundCost)."""
+    g = np.asarray(steps, dtype=float)
+    if exponent == 1.0:
+        return g
+    return ((g + 1.0) ** exponent - 1.0) / (2.0**exponent - 1.0)
+
+
+def _extrapolate(x: np.ndarray, xs: Sequence[float], ys: Sequence[float]) -> np.ndarray:
+    """np.interp inside [xs[0], xs[-1]]; beyond, the line through the two nearest points, floored at 0."""
+    y = np.interp(x, xs, ys)
+    if len(xs) < 2:
+        return y
+    lo = ys[0] + (ys[1] - ys[0]) / (xs[1] - xs[0]) * (x - xs[0])
+    hi = ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
+    return np.maximum(np.where(x < xs[0], lo, np.where(x > xs[-1], hi, y)), 0.0)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -220,12 +263,14 @@ def fit_sweep(
     engine, method = fastest_method(spec, usable)
     spec = spec[(spec["engine"] == engine) & (spec["method"] == method)]
     target = usable[~usable["is_speculative"].astype(bool) & (usable["engine"] == engine)]
-    table = _fit_round_cost(target, spec)
+    exponent = choose_step_exponent(target, spec)
+    table = _fit_round_cost(target, spec, exponent)
     cost = RoundCost(
         batch_sizes=tuple(int(b) for b in table["batch_size"]),
         target_ms=tuple(table["target_ms"]),
         draft_fixed_ms=tuple(table["draft_fixed_ms"]),
         per_step_ms=tuple(table["per_step_ms"]),
+        step_exponent=exponent,
     )
     acceptance = {str(w): _fit_acceptance(group) for w, group in spec.groupby("workload")}
     return CostFit(
@@ -240,7 +285,33 @@ def fit_sweep(
     )
 
 
-def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame) -> pd.DataFrame:
+STEP_EXPONENTS = tuple(np.round(np.arange(0.2, 1.0001, 0.05), 2))  # candidates for RoundCost.step_exponent
+MIN_STEPS_FOR_EXPONENT = 4  # distinct g per batch size: the curve needs two more points than the line's two terms
+
+
+def choose_step_exponent(target: pd.DataFrame, spec: pd.DataFrame) -> float:
+    """The RoundCost.step_exponent whose per-batch-size lines fit the round times best (least squares of relative
+    residuals over all cells); 1 (a line in g) unless some batch size measured MIN_STEPS_FOR_EXPONENT step counts."""
+    spec = spec.dropna(subset=["output_throughput_tps", "tpot_ms_mean", "acceptance_length"])
+    if spec.empty or spec.groupby("batch_size")["num_speculative_tokens"].nunique().max() < MIN_STEPS_FOR_EXPONENT:
+        return 1.0
+    t = (ms_per_token(spec) * tokens_per_round(spec)).to_numpy(float)
+    g, bs = spec["num_speculative_tokens"].to_numpy(float), spec["batch_size"].to_numpy()
+
+    def loss(p: float) -> float:
+        total = 0.0
+        for b in np.unique(bs):
+            at = bs == b
+            if len(np.unique(g[at])) >= 2:
+                x = step_units(g[at], p)
+                coef = np.polyfit(x, t[at], 1)
+                total += float(np.sum(((t[at] - np.polyval(coef, x)) / t[at]) ** 2))
+        return total
+
+    return float(min(STEP_EXPONENTS, key=loss))
+
+
+def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame, exponent: float = 1.0) -> pd.DataFrame:
     rows = []
     spec = spec.dropna(subset=["output_throughput_tps", "tpot_ms_mean", "acceptance_length"])
     for bs, points in spec.groupby("batch_size"):
@@ -248,7 +319,7 @@ def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame) -> pd.DataFrame:
         if base.empty:
             continue  # no target-only TPOT at this batch size: nothing to anchor g = 0
         t1, t1_sd = float(base.mean()), float(base.std(ddof=1)) if len(base) > 1 else math.nan
-        g = points["num_speculative_tokens"].to_numpy(float)
+        g = step_units(points["num_speculative_tokens"].to_numpy(float), exponent)  # = g at exponent 1
         t = (ms_per_token(points) * tokens_per_round(points)).to_numpy(float)
         # A slope below 0 is noise (one more draft position cannot make a round cheaper); extrapolated to the
         # step counts past the measured ones (the presets reach 7) it gives ever cheaper, even negative,
@@ -274,7 +345,8 @@ def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame) -> pd.DataFrame:
                 "per_step_se_ms": se_s,
                 "rmse_ms": rmse,
                 "num_cells": len(points),
-                "steps_measured": ",".join(str(int(s)) for s in sorted(np.unique(g))),
+                "steps_measured": ",".join(str(int(s)) for s in sorted(points["num_speculative_tokens"].unique())),
+                "step_exponent": exponent,
             }
         )
     if not rows:
@@ -321,18 +393,19 @@ def _fit_acceptance(spec: pd.DataFrame) -> AcceptanceProfile:
     count accept_pos_i over drafting requests; times the drafted share it is over every request-round."""
     pos_cols = sorted((int(m.group(1)), c) for c in spec.columns if (m := _POS_COLUMN.match(c)))
     share = drafted_share(spec)
-    survival = []
+    survival, survival_se = [], []
     for i, col in pos_cols:
         rows = spec["num_speculative_tokens"] >= i
         values = (spec.loc[rows, col] * share[rows]).dropna()
         if values.empty:
             break
         survival.append(float(values.mean()))
+        survival_se.append(float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else math.nan)
     if survival:
         s = np.clip(np.asarray(survival), 0.0, 1.0)
         prev = np.concatenate([[1.0], s[:-1]])
         rates = np.divide(s, prev, out=np.zeros_like(s), where=prev > 0)
-        return AcceptanceProfile(tuple(float(r) for r in np.clip(rates, 0.0, 1.0)), "per_position")
+        return AcceptanceProfile(tuple(float(r) for r in np.clip(rates, 0.0, 1.0)), "per_position", tuple(survival_se))
     measured = spec.dropna(subset=["acceptance_length"])
     alphas = [
         _constant_alpha((length - 1.0) * s, int(g))
@@ -374,6 +447,7 @@ def recommend(fit: CostFit, objective: str = "throughput") -> pd.DataFrame:
     rows = []
     for workload, profile in sorted(fit.acceptance.items()):
         tokens = np.array([profile.expected_tokens(int(g)) for g in steps])  # [G]
+        low, high = np.array([profile.expected_tokens_interval(int(g)) for g in steps]).T  # [G] each
         for bs in fit.cost.batch_sizes:
             t = fit.cost.t_round(bs, steps)  # [G] ms
             tpot = t / tokens
@@ -389,8 +463,13 @@ def recommend(fit: CostFit, objective: str = "throughput") -> pd.DataFrame:
                     "predicted_tps": float(tps[best]),
                     "target_tpot_ms": float(tpot[0]),
                     "speedup": float(tpot[0] / tpot[best]),
+                    # speedup scales with tokens per round: its 95% interval from the acceptance's
+                    "speedup_low": float(tpot[0] / tpot[best] * low[best] / tokens[best]),
+                    "speedup_high": float(tpot[0] / tpot[best] * high[best] / tokens[best]),
                     "best_spec_g": spec_best,
                     "best_spec_speedup": float(tpot[0] / tpot[spec_best]),
+                    "best_spec_speedup_low": float(tpot[0] / tpot[spec_best] * low[spec_best] / tokens[spec_best]),
+                    "best_spec_speedup_high": float(tpot[0] / tpot[spec_best] * high[spec_best] / tokens[spec_best]),
                 }
             )
     return pd.DataFrame(rows)
