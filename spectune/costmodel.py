@@ -142,28 +142,19 @@ class AcceptanceProfile:
 class RoundCost:
     """Round time in ms per batch size (see the module docstring). Between measured batch sizes the terms
     are interpolated linearly; beyond the range they continue the line through the two nearest measured batch
-    sizes (floored at 0): verify and draft work grow with the tokens a round processes, batch x (g + 1).
-
-    step_exponent p < 1 makes the draft cost concave in g: per_step_ms x step_units(g), where
-    step_units(g) = ((g + 1)^p - 1) / (2^p - 1) (= g at p = 1; 1 at g = 1 for every p). A CPU verifies
-    batch x (g + 1) tokens faster per token the more there are (measured on the embedded engine at batch 32:
-    rounds of 33, 46, 55, 67 ms at g = 1..4, not a line)."""
+    sizes (floored at 0): verify and draft work grow with the tokens a round processes, batch x (g + 1)."""
 
     batch_sizes: tuple[int, ...]
     target_ms: tuple[float, ...]
     draft_fixed_ms: tuple[float, ...]
     per_step_ms: tuple[float, ...]
-    step_exponent: float = 1.0
-
-    def step_units(self, steps):
-        return step_units(steps, self.step_exponent)
 
     def t_round(self, batch_size, steps):
         """ms for one round; scalars or broadcastable arrays. steps 0 = plain decode."""
         bs = np.asarray(batch_size, dtype=float)
         g = np.asarray(steps, dtype=float)
         target = _extrapolate(bs, self.batch_sizes, self.target_ms)
-        draft = _extrapolate(bs, self.batch_sizes, self.draft_fixed_ms) + _extrapolate(bs, self.batch_sizes, self.per_step_ms) * self.step_units(g)
+        draft = _extrapolate(bs, self.batch_sizes, self.draft_fixed_ms) + _extrapolate(bs, self.batch_sizes, self.per_step_ms) * g
         t = target + np.where(g > 0, draft, 0.0)
         return float(t) if t.ndim == 0 else t
 
@@ -173,16 +164,8 @@ class RoundCost:
         bs = np.asarray(batch_size, dtype=float)
         w = np.asarray(width, dtype=float)
         t = (_extrapolate(bs, self.batch_sizes, self.target_ms) + _extrapolate(bs, self.batch_sizes, self.draft_fixed_ms)
-             + _extrapolate(bs, self.batch_sizes, self.per_step_ms) * self.step_units(w))
+             + _extrapolate(bs, self.batch_sizes, self.per_step_ms) * w)
         return float(t) if t.ndim == 0 else t
-
-
-def step_units(steps, exponent: float = 1.0):
-    """((g + 1)^p - 1) / (2^p - 1): the draft positions a round pays for, g at p = 1 (RoundCost)."""
-    g = np.asarray(steps, dtype=float)
-    if exponent == 1.0:
-        return g
-    return ((g + 1.0) ** exponent - 1.0) / (2.0**exponent - 1.0)
 
 
 def _extrapolate(x: np.ndarray, xs: Sequence[float], ys: Sequence[float]) -> np.ndarray:
@@ -263,14 +246,14 @@ def fit_sweep(
     engine, method = fastest_method(spec, usable)
     spec = spec[(spec["engine"] == engine) & (spec["method"] == method)]
     target = usable[~usable["is_speculative"].astype(bool) & (usable["engine"] == engine)]
-    exponent = choose_step_exponent(target, spec)
-    table = _fit_round_cost(target, spec, exponent)
+    table = _fit_round_cost(target, spec)
+    if (joint := _joint_fit(target, spec)) is not None and _joint_is_better(spec, joint[1]):
+        table = _joint_table(table, target, joint[0])
     cost = RoundCost(
         batch_sizes=tuple(int(b) for b in table["batch_size"]),
         target_ms=tuple(table["target_ms"]),
         draft_fixed_ms=tuple(table["draft_fixed_ms"]),
         per_step_ms=tuple(table["per_step_ms"]),
-        step_exponent=exponent,
     )
     acceptance = {str(w): _fit_acceptance(group) for w, group in spec.groupby("workload")}
     return CostFit(
@@ -285,33 +268,82 @@ def fit_sweep(
     )
 
 
-STEP_EXPONENTS = tuple(np.round(np.arange(0.2, 1.0001, 0.05), 2))  # candidates for RoundCost.step_exponent
-MIN_STEPS_FOR_EXPONENT = 4  # distinct g per batch size: the curve needs two more points than the line's two terms
-
-
-def choose_step_exponent(target: pd.DataFrame, spec: pd.DataFrame) -> float:
-    """The RoundCost.step_exponent whose per-batch-size lines fit the round times best (least squares of relative
-    residuals over all cells); 1 (a line in g) unless some batch size measured MIN_STEPS_FOR_EXPONENT step counts."""
+def _local_fit(spec: pd.DataFrame) -> tuple[float, int]:
+    """Lines in g per batch size: (residual sum of squares of relative residuals, number of terms)."""
     spec = spec.dropna(subset=["output_throughput_tps", "tpot_ms_mean", "acceptance_length"])
-    if spec.empty or spec.groupby("batch_size")["num_speculative_tokens"].nunique().max() < MIN_STEPS_FOR_EXPONENT:
-        return 1.0
     t = (ms_per_token(spec) * tokens_per_round(spec)).to_numpy(float)
     g, bs = spec["num_speculative_tokens"].to_numpy(float), spec["batch_size"].to_numpy()
-
-    def loss(p: float) -> float:
-        total = 0.0
-        for b in np.unique(bs):
-            at = bs == b
-            if len(np.unique(g[at])) >= 2:
-                x = step_units(g[at], p)
-                coef = np.polyfit(x, t[at], 1)
-                total += float(np.sum(((t[at] - np.polyval(coef, x)) / t[at]) ** 2))
-        return total
-
-    return float(min(STEP_EXPONENTS, key=loss))
+    total, terms = 0.0, 0
+    for b in np.unique(bs):
+        at = bs == b
+        if len(np.unique(g[at])) >= 2:
+            coef = np.polyfit(g[at], t[at], 1)
+            total += float(np.sum(((t[at] - np.polyval(coef, g[at])) / t[at]) ** 2))
+            terms += 2
+        else:
+            terms += 1
+    return total, terms
 
 
-def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame, exponent: float = 1.0) -> pd.DataFrame:
+def _joint_is_better(spec: pd.DataFrame, joint_sse: float) -> bool:
+    """Akaike's criterion on relative residuals: the joint lines (4 terms) unless the lines per batch size fit the
+    cells enough better to pay for their extra terms (round cost not linear in batch size, e.g. padding)."""
+    n = len(spec.dropna(subset=["output_throughput_tps", "tpot_ms_mean", "acceptance_length"]))
+    local_sse, local_terms = _local_fit(spec)
+    aic = lambda sse, k: n * math.log(max(sse, 1e-12) / n) + 2 * k
+    return aic(joint_sse, 4) <= aic(local_sse, local_terms)
+
+
+MIN_BATCH_SIZES_FOR_JOINT = 3  # batch sizes with speculative cells for the draft terms to be lines in batch size
+
+
+def _joint_fit(target: pd.DataFrame, spec: pd.DataFrame) -> tuple[np.ndarray, float] | None:
+    """The draft terms as lines in batch size, fitted over all cells at once (work grows with the tokens a round
+    handles, batch x (g + 1)): t_round - target_ms(bs) = f0 + f1 bs + (s0 + s1 bs) g, least squares of
+    relative residuals. (coefficients [f0, f1, s0, s1], residual sum of squares) or None where the cells do not
+    determine them (fewer than MIN_BATCH_SIZES_FOR_JOINT batch sizes or one step count). One line through every batch
+    size carries 4 terms where a line per batch size carries 2 each: noise in one cell moves it far less, and a
+    batch size or step count without cells is predicted from the rest."""
+    base = ms_per_token(target).groupby(target["batch_size"]).mean().dropna()
+    spec = spec.dropna(subset=["output_throughput_tps", "tpot_ms_mean", "acceptance_length"])
+    spec = spec[spec["batch_size"].isin(base.index)]
+    if spec["batch_size"].nunique() < MIN_BATCH_SIZES_FOR_JOINT or spec["num_speculative_tokens"].nunique() < 2:
+        return None
+    bs = spec["batch_size"].to_numpy(float)
+    u = spec["num_speculative_tokens"].to_numpy(float)
+    t = (ms_per_token(spec) * tokens_per_round(spec)).to_numpy(float)
+    t0 = spec["batch_size"].map(base).to_numpy(float)
+    X = np.column_stack([np.ones_like(bs), bs, u, bs * u]) / t[:, None]  # [n, 4], rows scaled to relative error
+    coef, _, rank, _ = np.linalg.lstsq(X, (t - t0) / t, rcond=None)
+    if rank < 4:
+        return None
+    return coef, float(np.sum(((t - t0) / t - X @ coef) ** 2))
+
+
+def _joint_table(local: pd.DataFrame, target: pd.DataFrame, coef: np.ndarray) -> pd.DataFrame:
+    """The fit table with the joint draft terms at every batch size target-only measured (the local per-batch-size
+    lines' standard errors and residuals kept where there were cells)."""
+    base = ms_per_token(target).groupby(target["batch_size"])
+    f0, f1, s0, s1 = (float(c) for c in coef)
+    rows = []
+    for bs, values in base:
+        values = values.dropna()
+        if values.empty:
+            continue
+        row = local[local["batch_size"] == bs]
+        rows.append({
+            **(row.iloc[0].to_dict() if len(row) else {"num_cells": 0, "steps_measured": ""}),
+            "batch_size": int(bs),
+            "target_ms": float(values.mean()),
+            "target_sd_ms": float(values.std(ddof=1)) if len(values) > 1 else math.nan,
+            "draft_fixed_ms": f0 + f1 * bs,
+            "per_step_ms": max(0.0, s0 + s1 * bs),  # one more draft position never makes a round cheaper
+            "draft_terms": "joint line in batch size",
+        })
+    return pd.DataFrame(rows).sort_values("batch_size", ignore_index=True)
+
+
+def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame) -> pd.DataFrame:
     rows = []
     spec = spec.dropna(subset=["output_throughput_tps", "tpot_ms_mean", "acceptance_length"])
     for bs, points in spec.groupby("batch_size"):
@@ -319,7 +351,7 @@ def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame, exponent: float = 
         if base.empty:
             continue  # no target-only TPOT at this batch size: nothing to anchor g = 0
         t1, t1_sd = float(base.mean()), float(base.std(ddof=1)) if len(base) > 1 else math.nan
-        g = step_units(points["num_speculative_tokens"].to_numpy(float), exponent)  # = g at exponent 1
+        g = points["num_speculative_tokens"].to_numpy(float)
         t = (ms_per_token(points) * tokens_per_round(points)).to_numpy(float)
         # A slope below 0 is noise (one more draft position cannot make a round cheaper); extrapolated to the
         # step counts past the measured ones (the presets reach 7) it gives ever cheaper, even negative,
@@ -345,8 +377,7 @@ def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame, exponent: float = 
                 "per_step_se_ms": se_s,
                 "rmse_ms": rmse,
                 "num_cells": len(points),
-                "steps_measured": ",".join(str(int(s)) for s in sorted(points["num_speculative_tokens"].unique())),
-                "step_exponent": exponent,
+                "steps_measured": ",".join(str(int(s)) for s in sorted(np.unique(g))),
             }
         )
     if not rows:

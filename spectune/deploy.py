@@ -138,7 +138,6 @@ def fit_report(fit: CostFit, cells: pd.DataFrame, objective: str) -> dict[str, o
         "method": fit.method,
         "cost_fit": fit.table.to_dict("records"),
         "cost_fit_tpot_abs_rel_error": {"median": error.median(), "max": error.max(), "cells": len(error)},
-        "cost_step_exponent": fit.cost.step_exponent,
         "acceptance": {w: {"rates": list(p.rates), "source": p.source, "survival_se": list(p.survival_se)} for w, p in fit.acceptance.items()},
         "acceptance_pooled": {"rates": list(fit.pooled.rates), "source": fit.pooled.source, "survival_se": list(fit.pooled.survival_se)},
         "recommended_steps": rec.to_dict("records"),

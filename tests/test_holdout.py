@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spectune.costmodel import AcceptanceProfile, RoundCost, fit_sweep, recommend, step_units
+from spectune.costmodel import AcceptanceProfile, RoundCost, fit_sweep, recommend
 from spectune.holdout import holdout_lines, holdout_predictions, holdout_report, holdout_summary
 from synthetic_sweep import SYNTHETIC_PROFILES, synthetic_cells
 
@@ -55,21 +55,19 @@ def test_acceptance_interval_widens_with_spread_and_brackets_the_speedup():
     assert AcceptanceProfile((0.8,)).expected_tokens_interval(3) == pytest.approx((AcceptanceProfile((0.8,)).expected_tokens(3),) * 2)
 
 
-def test_round_cost_extrapolates_batch_size_along_the_nearest_line_and_steps_by_exponent():
+def test_round_cost_extrapolates_batch_size_along_the_nearest_line():
     cost = RoundCost(batch_sizes=(4, 8), target_ms=(5.0, 7.0), draft_fixed_ms=(1.0, 2.0), per_step_ms=(0.5, 1.0))
     assert cost.t_round(16, 0) == pytest.approx(11.0)  # 7 + (7 - 5) / 4 * 8
     assert cost.t_round(1, 2) == pytest.approx(3.5 + 0.25 + 0.125 * 2)
     assert cost.t_round(0.01, 1) >= 0.0
-    assert step_units(np.array([1, 3]), 1.0).tolist() == [1.0, 3.0]
-    concave = step_units(np.array([1, 2, 6]), 0.5)
-    assert concave[0] == pytest.approx(1.0) and concave[2] < 6.0 and np.all(np.diff(concave) > 0)
 
 
-def test_step_exponent_is_recovered_from_concave_round_costs():
-    truth = RoundCost(batch_sizes=(1, 4, 16), target_ms=(3.0, 5.0, 12.0), draft_fixed_ms=(1.0, 1.5, 3.0), per_step_ms=(1.0, 2.0, 6.0),
-                      step_exponent=0.5)
-    cells = synthetic_cells(cost=truth, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
+def test_draft_terms_are_one_line_in_batch_size_when_the_cells_allow_it():
+    cells = synthetic_cells(cost=LINEAR, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=2, noise=0.03, seed=4)
     fit = fit_sweep(cells)
-    assert fit.cost.step_exponent == pytest.approx(0.5)
-    two_steps = cells[cells["num_speculative_tokens"].isin([0, 2, 4])]
-    assert fit_sweep(two_steps).cost.step_exponent == 1.0  # too few step counts to tell a curve from a line
+    assert (fit.table["draft_terms"] == "joint line in batch size").all()
+    per_step = fit.table.set_index("batch_size")["per_step_ms"]
+    assert np.allclose(np.diff(per_step.to_numpy()) / np.diff(per_step.index.to_numpy(float)), (per_step[16] - per_step[1]) / 15)
+    assert per_step.to_numpy() == pytest.approx(LINEAR.per_step_ms, rel=0.1, abs=0.05)
+    # a cost far from linear in batch size (SYNTHETIC_COST's per-step term) keeps one line in g per batch size
+    assert "draft_terms" not in fit_sweep(synthetic_cells(noise=0.01, seed=1)).table
