@@ -92,22 +92,23 @@ def holdout_lines(report: dict[str, object]) -> list[str]:
 
 def _predict(fit: CostFit, train: pd.DataFrame, usable: pd.DataFrame, held: pd.DataFrame, holdout: str) -> list[dict]:
     target = usable[~usable["is_speculative"].astype(bool) & (usable["engine"] == fit.engine)]
-    base = target.assign(ms=ms_per_token(target)).groupby("batch_size")["ms"].mean()
+    base = target.assign(ms=ms_per_token(target)).groupby(["workload", "batch_size"])["ms"].mean()
     spec_train = train[train["is_speculative"].astype(bool) & (train["engine"] == fit.engine) & (train["method"] == fit.method)]
     tpot_share = _tpot_share(spec_train)
-    measured = held.assign(ms=ms_per_token(held)).groupby(["server", "batch_size", "num_speculative_tokens"])[
+    measured = held.assign(ms=ms_per_token(held)).groupby(["workload", "server", "batch_size", "num_speculative_tokens"])[
         ["ms", "output_throughput_tps", "tpot_ms_mean"]].mean()
     rows = []
-    for (server, bs, g), m in measured.iterrows():
-        if bs not in base.index:
+    for (workload, server, bs, g), m in measured.iterrows():
+        if (workload, bs) not in base.index:
             continue
-        t0 = float(base[bs])  # target-only measured here; the fit's draft terms are interpolated if it never saw bs
+        t0 = float(base[(workload, bs)])  # target-only measured here; the fit's draft terms are interpolated if it never saw bs
         t = t0 + fit.cost.t_round(bs, g) - fit.cost.t_round(bs, 0)
-        ms = t / fit.pooled.expected_tokens(int(g))
+        ms = t / fit.profile(workload).expected_tokens(int(g))
         predicted = {"tpot": ms * float(np.interp(bs, tpot_share.index, tpot_share.to_numpy())),
                      "throughput": 1000.0 * bs / ms, "speedup": t0 / ms}
         actual = {"tpot": m["tpot_ms_mean"], "throughput": m["output_throughput_tps"], "speedup": t0 / m["ms"]}
-        row = {"holdout": holdout, "engine": fit.engine, "method": fit.method, "server": server, "batch_size": int(bs), "g": int(g)}
+        row = {"holdout": holdout, "engine": fit.engine, "method": fit.method, "workload": workload, "server": server,
+               "batch_size": int(bs), "g": int(g)}
         for k in METRICS:
             row[f"predicted_{k}"], row[f"measured_{k}"] = predicted[k], actual[k]
             row[f"{k}_abs_pct_error"] = 100.0 * abs(predicted[k] - actual[k]) / actual[k]

@@ -71,3 +71,10 @@ def test_draft_terms_are_one_line_in_batch_size_when_the_cells_allow_it():
     assert per_step.to_numpy() == pytest.approx(LINEAR.per_step_ms, rel=0.1, abs=0.05)
     # a cost far from linear in batch size (SYNTHETIC_COST's per-step term) keeps one line in g per batch size
     assert "draft_terms" not in fit_sweep(synthetic_cells(noise=0.01, seed=1)).table
+
+
+def test_each_workload_is_predicted_with_its_own_acceptance():
+    cells = synthetic_cells(repeats=1, noise=0.01, seed=6)  # "quote" easy to draft, "random" hard: pooled would miss both
+    predictions = holdout_predictions(cells)
+    assert set(predictions["workload"]) == {"quote", "random"}
+    assert predictions["throughput_abs_pct_error"].mean() < 5.0
