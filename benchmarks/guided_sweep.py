@@ -47,14 +47,15 @@ def main() -> None:
     ap.add_argument("--guided", type=Path, nargs="*", default=[])
     ap.add_argument("--seeds", default="0-9")
     ap.add_argument("--budget", type=float, default=0.25)
+    ap.add_argument("--grid-seconds", type=float, help="the grid's measuring wall time, where run.json's span includes a resume")
     args = ap.parse_args()
 
     run = load_run(args.grid)
     plan = plan_from_dict(run.manifest["plan"], source=str(args.grid / "run.json"))
     grid = plan_grid(plan)
     cells = run.cells
-    grid_s = sweep_seconds(run.manifest)
-    print(f"grid: {len(grid)} (server, batch size) cells x {plan.repeats} repeats, {grid_s:.0f} s wall (run.json started_at -> finished_at)")
+    grid_s = args.grid_seconds or sweep_seconds(run.manifest)
+    print(f"grid: {len(grid)} (server, batch size) cells x {plan.repeats} repeats, {grid_s:.0f} s wall")
 
     rows = []
     for seed in parse_gammas(args.seeds):
@@ -81,7 +82,7 @@ def main() -> None:
     print("| run | cells (of %d) | share | stopped | guided rounds | mean gap | max gap | wall (s) |" % len(grid))
     print("|---|---|---|---|---|---|---|---|")
     for r in table.itertuples():
-        wall = f"{r.wall_s:.0f} ({r.wall_s / grid_s:.0%} of grid)" if r.wall_s else "—"
+        wall = f"{r.wall_s:.0f} ({r.wall_s / grid_s:.0%} of grid)" if pd.notna(r.wall_s) else "—"
         print(f"| {r.run} | {r.cells} | {r.share:.0%} | {r.stopped} | {r.rounds} | {r.mean_gap:.2%} | {r.max_gap:.2%} | {wall} |")
     replay = table[table["run"].str.startswith("replay")]
     print(f"replays: {len(replay)} seeds, cells {replay['cells'].min()}-{replay['cells'].max()}, mean gap {replay['mean_gap'].mean():.2%}, "

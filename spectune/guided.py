@@ -172,5 +172,6 @@ def run_guided(plan, root, *, budget: float, resume: bool = False, seed: int = 0
                                 "seed": seed}
     if not total.interrupted:
         store.manifest["status"] = "complete"  # every cell the guided sweep chose is measured
+        store.manifest["finished_at"] = store.manifest.get("updated_at")
     store.save_manifest()
     return total

@@ -95,7 +95,7 @@ def test_workers_share_cells_survive_a_sigkill_and_collect(tmp_path, postgres_ur
     assert (run.cells["status"] == "ok").all()
     assert run.cells["hardware_key"].nunique() == 1 and run.manifest["hardware"]["cpu_count"] == os.cpu_count()
     assert set(run.requests["cell"]) == expected  # every cell's per-request frame came through the study
-    assert run.manifest["status"] == "complete" and set(run.round_logs) == {"target", "ngram"}
+    assert run.manifest["status"] == "complete" and set(run.round_logs) == {"target", "ngram-g2"}
 
 
 def test_collect_names_the_study_when_there_is_none(tmp_path, spectune_cmd):
