@@ -74,3 +74,16 @@ def test_next_cells_are_the_ones_predicted_to_beat_the_measured_best(cells, grid
 def test_budget_outside_zero_one_is_refused(grid, cells):
     with pytest.raises(SpectuneError, match="budget 1.5"):
         guide(grid, _replay(cells), budget=1.5, log=lambda _: None)
+
+
+def test_plan_key_budget_is_read_and_checked(tmp_path):
+    from spectune.plan import load_plan, plan_to_dict
+
+    text = '[[servers]]\nname = "target"\nengine = "embedded"\n'
+    (tmp_path / "a.toml").write_text("budget = 0.25\n" + text)
+    assert load_plan(tmp_path / "a.toml").budget == 0.25
+    (tmp_path / "b.toml").write_text(text)
+    assert "budget" not in plan_to_dict(load_plan(tmp_path / "b.toml"))  # older runs' digests unchanged
+    (tmp_path / "c.toml").write_text("budget = 1.5\n" + text)
+    with pytest.raises(SpectuneError, match=r"c.toml: budget = 1.5: must be a share"):
+        load_plan(tmp_path / "c.toml")
