@@ -165,6 +165,14 @@ def sweep(
     no_report: bool = typer.Option(False, "--no-report", help="Do not write the report (spectune report RESULTS does it later)."),
     trials: int = typer.Option(DEFAULT_TRIALS, min=0, help="Optuna trials of the tune stage."),
     report_dir: Optional[Path] = typer.Option(None, help="Report directory. Default: reports/<run> beside results/<run>, else <RESULTS>/report."),
+    budget: Optional[float] = typer.Option(None, help="Guided sweep: measure at most this share of the (server, batch size) cells, "
+                                           "chosen by the cost model (e.g. 0.25). Default: the plan's `budget`, else every cell."),
+    storage: Optional[str] = typer.Option(None, help="With --worker: the Optuna RDB URL (postgresql://... for several machines, "
+                                          "sqlite:///... on one) whose study shares the plan's cells among workers."),
+    worker: bool = typer.Option(False, "--worker", help="Claim cells of the plan from --storage, measure them and record them there "
+                                "until none is left; then spectune collect URL --out DIR writes the results directory."),
+    heartbeat: float = typer.Option(10.0, min=1.0, help="With --worker: seconds between heartbeats; a worker silent for 3 of them "
+                                    "is taken as dead and its cell goes to another."),
 ) -> None:
     """Measure target-only vs speculative servers on identical traffic, then tune, write the configs and the report."""
     import datetime as dt
@@ -180,7 +188,12 @@ def sweep(
         p = load_plan(resolve_plan(plan), **overrides)
     root = resume or out or Path("results") / f"{p.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
     progress = _progress()
-    options = PipelineOptions(tune=not no_tune, report=not no_report, trials=trials, report_dir=report_dir)
+    if worker or storage:
+        _sweep_worker(plan, storage, worker, heartbeat, out)
+        return
+    if budget is not None and not 0 < budget <= 1:
+        raise SpectuneError(f"--budget {budget}: must be a share of the plan's cells in (0, 1], e.g. 0.25")
+    options = PipelineOptions(tune=not no_tune, report=not no_report, trials=trials, report_dir=report_dir, budget=budget)
     outcome = run_pipeline(p, root, resume=resume is not None, options=options, progress=progress)
     if outcome.sweep.interrupted:
         typer.echo(f"Interrupted. Finished cells are saved in {root}. Resume with: spectune sweep --resume {root}", err=True)
@@ -193,6 +206,30 @@ def sweep(
         typer.echo(f"{s.failed} cell(s) failed: their causes are in {root}/cells/*.json and the report", err=True)
     if s.failed or outcome.errors:
         raise typer.Exit(1)
+
+
+def _sweep_worker(plan: Optional[str], storage: Optional[str], worker: bool, heartbeat: float, scratch: Optional[Path]) -> None:
+    from spectune.distributed import run_worker
+    from spectune.plan import load_plan
+    from spectune.resources import resolve_plan
+
+    if not (worker and storage):
+        raise SpectuneError("--storage and --worker go together: spectune sweep PLAN --storage URL --worker (then spectune collect URL --out DIR)")
+    outcome = run_worker(load_plan(resolve_plan(plan)), storage, scratch=scratch, heartbeat_s=heartbeat, log=typer.echo)
+    typer.echo(f"worker done: {len(outcome.measured)} cells measured ({outcome.failed} failed) in study {outcome.study_name}")
+
+
+@app.command()
+def collect(
+    storage: str = typer.Argument(..., help="The Optuna RDB URL the sweep workers shared."),
+    out: Path = typer.Option(..., help="Results directory to write (one per hardware, OUT/hw-<key>, when machines differ)."),
+    study: Optional[str] = typer.Option(None, help="The sweep study; default: the only one in the storage."),
+) -> None:
+    """Write the cells that sweep workers recorded in a shared study as a results directory (spectune tune/report read it)."""
+    from spectune.distributed import collect as run_collect
+
+    for path in run_collect(storage, out, study, log=typer.echo):
+        typer.echo(str(path))
 
 
 def _progress():

@@ -109,6 +109,9 @@ class AcceptanceProfile:
 
     rates: tuple[float, ...]
     source: str = "per_position"  # or "constant" when only a mean acceptance was measured
+    # Standard error of S_i = P(at least i drafts accepted) per measured position, from the spread over cells;
+    # empty where unknown. Positions beyond the measured ones take the last.
+    survival_se: tuple[float, ...] = ()
 
     def rate_vector(self, k: int) -> np.ndarray:
         """a_1..a_k as an array ([k])."""
@@ -122,11 +125,24 @@ class AcceptanceProfile:
     def expected_tokens(self, g: int) -> float:
         return 1.0 + float(self.survival(g).sum()) if g > 0 else 1.0
 
+    def expected_tokens_interval(self, g: int, z: float = 1.96) -> tuple[float, float]:
+        """(low, high) of expected_tokens(g) at z standard errors of every S_i, taken as moving together (their
+        errors are positively correlated: S_i is a product of the rates before it), so the interval is wide rather
+        than narrow. (E, E) where no error is known."""
+        if g <= 0 or not self.survival_se:
+            e = self.expected_tokens(g)
+            return e, e
+        s = self.survival(g)
+        se = np.asarray(self.survival_se, dtype=float)[np.minimum(np.arange(g), len(self.survival_se) - 1)]
+        se = np.nan_to_num(se, nan=0.0)
+        return 1.0 + float(np.clip(s - z * se, 0.0, 1.0).sum()), 1.0 + float(np.clip(s + z * se, 0.0, 1.0).sum())
+
 
 @dataclass(frozen=True, slots=True)
 class RoundCost:
     """Round time in ms per batch size (see the module docstring). Between measured batch sizes the terms
-    are interpolated linearly; outside the range they are held at the nearest measured value."""
+    are interpolated linearly; beyond the range they continue the line through the two nearest measured batch
+    sizes (floored at 0): verify and draft work grow with the tokens a round processes, batch x (g + 1)."""
 
     batch_sizes: tuple[int, ...]
     target_ms: tuple[float, ...]
@@ -137,8 +153,8 @@ class RoundCost:
         """ms for one round; scalars or broadcastable arrays. steps 0 = plain decode."""
         bs = np.asarray(batch_size, dtype=float)
         g = np.asarray(steps, dtype=float)
-        target = np.interp(bs, self.batch_sizes, self.target_ms)
-        draft = np.interp(bs, self.batch_sizes, self.draft_fixed_ms) + np.interp(bs, self.batch_sizes, self.per_step_ms) * g
+        target = _extrapolate(bs, self.batch_sizes, self.target_ms)
+        draft = _extrapolate(bs, self.batch_sizes, self.draft_fixed_ms) + _extrapolate(bs, self.batch_sizes, self.per_step_ms) * g
         t = target + np.where(g > 0, draft, 0.0)
         return float(t) if t.ndim == 0 else t
 
@@ -147,9 +163,19 @@ class RoundCost:
         the proposer's fixed cost is still paid)."""
         bs = np.asarray(batch_size, dtype=float)
         w = np.asarray(width, dtype=float)
-        t = (np.interp(bs, self.batch_sizes, self.target_ms) + np.interp(bs, self.batch_sizes, self.draft_fixed_ms)
-             + np.interp(bs, self.batch_sizes, self.per_step_ms) * w)
+        t = (_extrapolate(bs, self.batch_sizes, self.target_ms) + _extrapolate(bs, self.batch_sizes, self.draft_fixed_ms)
+             + _extrapolate(bs, self.batch_sizes, self.per_step_ms) * w)
         return float(t) if t.ndim == 0 else t
+
+
+def _extrapolate(x: np.ndarray, xs: Sequence[float], ys: Sequence[float]) -> np.ndarray:
+    """np.interp inside [xs[0], xs[-1]]; beyond, the line through the two nearest points, floored at 0."""
+    y = np.interp(x, xs, ys)
+    if len(xs) < 2:
+        return y
+    lo = ys[0] + (ys[1] - ys[0]) / (xs[1] - xs[0]) * (x - xs[0])
+    hi = ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
+    return np.maximum(np.where(x < xs[0], lo, np.where(x > xs[-1], hi, y)), 0.0)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -221,6 +247,8 @@ def fit_sweep(
     spec = spec[(spec["engine"] == engine) & (spec["method"] == method)]
     target = usable[~usable["is_speculative"].astype(bool) & (usable["engine"] == engine)]
     table = _fit_round_cost(target, spec)
+    if (joint := _joint_fit(target, spec)) is not None and _joint_is_better(spec, joint[1]):
+        table = _joint_table(table, target, joint[0])
     cost = RoundCost(
         batch_sizes=tuple(int(b) for b in table["batch_size"]),
         target_ms=tuple(table["target_ms"]),
@@ -238,6 +266,81 @@ def fit_sweep(
         excluded=excluded,
         steps=tuple(sorted(int(g) for g in spec["num_speculative_tokens"].unique())),
     )
+
+
+def _local_fit(spec: pd.DataFrame) -> tuple[float, int]:
+    """Lines in g per batch size: (residual sum of squares of relative residuals, number of terms)."""
+    spec = spec.dropna(subset=["output_throughput_tps", "tpot_ms_mean", "acceptance_length"])
+    t = (ms_per_token(spec) * tokens_per_round(spec)).to_numpy(float)
+    g, bs = spec["num_speculative_tokens"].to_numpy(float), spec["batch_size"].to_numpy()
+    total, terms = 0.0, 0
+    for b in np.unique(bs):
+        at = bs == b
+        if len(np.unique(g[at])) >= 2:
+            coef = np.polyfit(g[at], t[at], 1)
+            total += float(np.sum(((t[at] - np.polyval(coef, g[at])) / t[at]) ** 2))
+            terms += 2
+        else:
+            terms += 1
+    return total, terms
+
+
+def _joint_is_better(spec: pd.DataFrame, joint_sse: float) -> bool:
+    """Akaike's criterion on relative residuals: the joint lines (4 terms) unless the lines per batch size fit the
+    cells enough better to pay for their extra terms (round cost not linear in batch size, e.g. padding)."""
+    n = len(spec.dropna(subset=["output_throughput_tps", "tpot_ms_mean", "acceptance_length"]))
+    local_sse, local_terms = _local_fit(spec)
+    aic = lambda sse, k: n * math.log(max(sse, 1e-12) / n) + 2 * k
+    return aic(joint_sse, 4) <= aic(local_sse, local_terms)
+
+
+MIN_BATCH_SIZES_FOR_JOINT = 3  # batch sizes with speculative cells for the draft terms to be lines in batch size
+
+
+def _joint_fit(target: pd.DataFrame, spec: pd.DataFrame) -> tuple[np.ndarray, float] | None:
+    """The draft terms as lines in batch size, fitted over all cells at once (work grows with the tokens a round
+    handles, batch x (g + 1)): t_round - target_ms(bs) = f0 + f1 bs + (s0 + s1 bs) g, least squares of
+    relative residuals. (coefficients [f0, f1, s0, s1], residual sum of squares) or None where the cells do not
+    determine them (fewer than MIN_BATCH_SIZES_FOR_JOINT batch sizes or one step count). One line through every batch
+    size carries 4 terms where a line per batch size carries 2 each: noise in one cell moves it far less, and a
+    batch size or step count without cells is predicted from the rest."""
+    base = ms_per_token(target).groupby(target["batch_size"]).mean().dropna()
+    spec = spec.dropna(subset=["output_throughput_tps", "tpot_ms_mean", "acceptance_length"])
+    spec = spec[spec["batch_size"].isin(base.index)]
+    if spec["batch_size"].nunique() < MIN_BATCH_SIZES_FOR_JOINT or spec["num_speculative_tokens"].nunique() < 2:
+        return None
+    bs = spec["batch_size"].to_numpy(float)
+    u = spec["num_speculative_tokens"].to_numpy(float)
+    t = (ms_per_token(spec) * tokens_per_round(spec)).to_numpy(float)
+    t0 = spec["batch_size"].map(base).to_numpy(float)
+    X = np.column_stack([np.ones_like(bs), bs, u, bs * u]) / t[:, None]  # [n, 4], rows scaled to relative error
+    coef, _, rank, _ = np.linalg.lstsq(X, (t - t0) / t, rcond=None)
+    if rank < 4:
+        return None
+    return coef, float(np.sum(((t - t0) / t - X @ coef) ** 2))
+
+
+def _joint_table(local: pd.DataFrame, target: pd.DataFrame, coef: np.ndarray) -> pd.DataFrame:
+    """The fit table with the joint draft terms at every batch size target-only measured (the local per-batch-size
+    lines' standard errors and residuals kept where there were cells)."""
+    base = ms_per_token(target).groupby(target["batch_size"])
+    f0, f1, s0, s1 = (float(c) for c in coef)
+    rows = []
+    for bs, values in base:
+        values = values.dropna()
+        if values.empty:
+            continue
+        row = local[local["batch_size"] == bs]
+        rows.append({
+            **(row.iloc[0].to_dict() if len(row) else {"num_cells": 0, "steps_measured": ""}),
+            "batch_size": int(bs),
+            "target_ms": float(values.mean()),
+            "target_sd_ms": float(values.std(ddof=1)) if len(values) > 1 else math.nan,
+            "draft_fixed_ms": f0 + f1 * bs,
+            "per_step_ms": max(0.0, s0 + s1 * bs),  # one more draft position never makes a round cheaper
+            "draft_terms": "joint line in batch size",
+        })
+    return pd.DataFrame(rows).sort_values("batch_size", ignore_index=True)
 
 
 def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame) -> pd.DataFrame:
@@ -321,18 +424,19 @@ def _fit_acceptance(spec: pd.DataFrame) -> AcceptanceProfile:
     count accept_pos_i over drafting requests; times the drafted share it is over every request-round."""
     pos_cols = sorted((int(m.group(1)), c) for c in spec.columns if (m := _POS_COLUMN.match(c)))
     share = drafted_share(spec)
-    survival = []
+    survival, survival_se = [], []
     for i, col in pos_cols:
         rows = spec["num_speculative_tokens"] >= i
         values = (spec.loc[rows, col] * share[rows]).dropna()
         if values.empty:
             break
         survival.append(float(values.mean()))
+        survival_se.append(float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else math.nan)
     if survival:
         s = np.clip(np.asarray(survival), 0.0, 1.0)
         prev = np.concatenate([[1.0], s[:-1]])
         rates = np.divide(s, prev, out=np.zeros_like(s), where=prev > 0)
-        return AcceptanceProfile(tuple(float(r) for r in np.clip(rates, 0.0, 1.0)), "per_position")
+        return AcceptanceProfile(tuple(float(r) for r in np.clip(rates, 0.0, 1.0)), "per_position", tuple(survival_se))
     measured = spec.dropna(subset=["acceptance_length"])
     alphas = [
         _constant_alpha((length - 1.0) * s, int(g))
@@ -374,6 +478,7 @@ def recommend(fit: CostFit, objective: str = "throughput") -> pd.DataFrame:
     rows = []
     for workload, profile in sorted(fit.acceptance.items()):
         tokens = np.array([profile.expected_tokens(int(g)) for g in steps])  # [G]
+        low, high = np.array([profile.expected_tokens_interval(int(g)) for g in steps]).T  # [G] each
         for bs in fit.cost.batch_sizes:
             t = fit.cost.t_round(bs, steps)  # [G] ms
             tpot = t / tokens
@@ -389,8 +494,13 @@ def recommend(fit: CostFit, objective: str = "throughput") -> pd.DataFrame:
                     "predicted_tps": float(tps[best]),
                     "target_tpot_ms": float(tpot[0]),
                     "speedup": float(tpot[0] / tpot[best]),
+                    # speedup scales with tokens per round: its 95% interval from the acceptance's
+                    "speedup_low": float(tpot[0] / tpot[best] * low[best] / tokens[best]),
+                    "speedup_high": float(tpot[0] / tpot[best] * high[best] / tokens[best]),
                     "best_spec_g": spec_best,
                     "best_spec_speedup": float(tpot[0] / tpot[spec_best]),
+                    "best_spec_speedup_low": float(tpot[0] / tpot[spec_best] * low[spec_best] / tokens[spec_best]),
+                    "best_spec_speedup_high": float(tpot[0] / tpot[spec_best] * high[spec_best] / tokens[spec_best]),
                 }
             )
     return pd.DataFrame(rows)

@@ -18,6 +18,7 @@ from spectune.costmodel import CostFit, breakeven_batch_size, prediction_vs_meas
 from spectune.deploy_engines import ENGINE_NAMES, Deployment, TunedMethod, write_deployments
 from spectune.emit import describe_sglang_config, sglang_launch_steps
 from spectune.errors import SpectuneError
+from spectune.holdout import holdout_report
 from spectune.scoring import REPLAY_SEEDS, REQUEST_METRICS, Bench, Replay
 from spectune.store import atomic_write_bytes
 
@@ -59,6 +60,7 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
         **({"traffic_source": options.traffic or manifest.get("plan", {}).get("workload")} if bench.replay is not None else {}),
         **assessed,
         **fit_report(bench.fit, cells, options.objective),
+        "holdout": holdout_report(cells),
         "files": [p.name for p in files],
         "notes": notes,
         "deploy": [d.to_dict() for d in deployments],
@@ -136,8 +138,8 @@ def fit_report(fit: CostFit, cells: pd.DataFrame, objective: str) -> dict[str, o
         "method": fit.method,
         "cost_fit": fit.table.to_dict("records"),
         "cost_fit_tpot_abs_rel_error": {"median": error.median(), "max": error.max(), "cells": len(error)},
-        "acceptance": {w: {"rates": list(p.rates), "source": p.source} for w, p in fit.acceptance.items()},
-        "acceptance_pooled": {"rates": list(fit.pooled.rates), "source": fit.pooled.source},
+        "acceptance": {w: {"rates": list(p.rates), "source": p.source, "survival_se": list(p.survival_se)} for w, p in fit.acceptance.items()},
+        "acceptance_pooled": {"rates": list(fit.pooled.rates), "source": fit.pooled.source, "survival_se": list(fit.pooled.survival_se)},
         "recommended_steps": rec.to_dict("records"),
         "breakeven_batch_size": {w: breakeven_batch_size(rec, w) for w in fit.acceptance},
         "excluded_cells": excluded.to_dict("records"),

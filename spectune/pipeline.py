@@ -30,6 +30,7 @@ class PipelineOptions:
     trials: int = DEFAULT_TRIALS
     seed: int = 0
     report_dir: Path | None = None  # None: report_dir_for(results)
+    budget: float | None = None  # guided sweep (spectune.guided); None: the plan's budget, or the whole grid
 
 
 @dataclass(slots=True)
@@ -54,7 +55,14 @@ def run_pipeline(plan: Plan, root: Path, *, resume: bool = False, options: Pipel
     """Measure the plan into `root`, then tune and report as `options` say. Interrupted: the later stages are skipped."""
     from spectune.sweep import run_sweep
 
-    outcome = PipelineOutcome(sweep=run_sweep(plan, root, resume=resume, progress=progress))
+    budget = options.budget if options.budget is not None else plan.budget
+    if budget is not None:
+        from spectune.guided import run_guided
+
+        measured = run_guided(plan, root, budget=budget, resume=resume, seed=options.seed, progress=progress)
+    else:
+        measured = run_sweep(plan, root, resume=resume, progress=progress)
+    outcome = PipelineOutcome(sweep=measured)
     say = progress.message if progress is not None else print
     if outcome.sweep.interrupted:
         return outcome

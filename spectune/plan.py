@@ -48,6 +48,7 @@ class Plan:
     slo_ttft_ms: float | None = None  # goodput_rps counts the requests meeting every limit given
     slo_tpot_ms: float | None = None
     slo_e2e_ms: float | None = None
+    budget: float | None = None  # guided sweep (spectune.guided): measure at most this share of the (server, batch size) cells
     servers: tuple[ServerSpec, ...] = ()
 
     def num_prompts(self, batch_size: int) -> int:
@@ -60,7 +61,7 @@ class Plan:
 _PLAN_KEYS = {f.name for f in dataclasses.fields(Plan)} - {"servers"}
 _SERVER_KEYS = {f.name for f in dataclasses.fields(ServerSpec)}
 # keys added after runs were recorded: left out of the dict (and the digest) at their defaults, so older runs resume
-_LATER_KEYS = {"request_rates": (), "burstiness": 1.0, "slo_ttft_ms": None, "slo_tpot_ms": None, "slo_e2e_ms": None}
+_LATER_KEYS = {"request_rates": (), "burstiness": 1.0, "slo_ttft_ms": None, "slo_tpot_ms": None, "slo_e2e_ms": None, "budget": None}
 
 
 def plan_to_dict(plan: Plan) -> dict:
@@ -135,6 +136,10 @@ def _check_types(fields: dict, source: str) -> None:
             v = fields[key]
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise SpectuneError(f"{source}: {key} = {v!r}: must be a number > 0")
+    if fields.get("budget") is not None:
+        v = fields["budget"]
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1:
+            raise SpectuneError(f"{source}: budget = {v!r}: must be a share of the plan's cells in (0, 1], e.g. 0.25")
     if "request_rates" in fields:
         rates = fields["request_rates"]
         if not isinstance(rates, (list, tuple)) or any(not isinstance(r, (int, float)) or isinstance(r, bool) or not r > 0 for r in rates):

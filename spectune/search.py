@@ -73,10 +73,11 @@ def open_study(storage: str, name: str, seed: int):
     return optuna.create_study(storage=storage_for(storage), study_name=name, direction="maximize", sampler=sampler, load_if_exists=True)
 
 
-def storage_for(url: str):
+def storage_for(url: str, **rdb_options):
     """An Optuna storage for a URL. SQLite runs in WAL mode without an fsync per commit: Optuna commits
     every suggested parameter, which otherwise costs ~15 ms each here (a trial took 0.7 s). A plain
-    postgresql:// URL gets the driver that is installed (SQLAlchemy 2.1 assumes psycopg 3)."""
+    postgresql:// URL gets the driver that is installed (SQLAlchemy 2.1 assumes psycopg 3). rdb_options go to
+    RDBStorage (heartbeat_interval, grace_period, failed_trial_callback: spectune.distributed)."""
     import importlib.util
     import sqlite3
 
@@ -86,7 +87,7 @@ def storage_for(url: str):
         driver = "psycopg" if importlib.util.find_spec("psycopg") else "psycopg2"
         url = url.replace("postgresql://", f"postgresql+{driver}://", 1)
     if not url.startswith("sqlite:///"):
-        return _shared_rdb(url)
+        return _shared_rdb(url, **rdb_options)
     path = url.removeprefix("sqlite:///")
 
     def connect() -> sqlite3.Connection:
@@ -95,10 +96,10 @@ def storage_for(url: str):
         conn.execute("PRAGMA synchronous=NORMAL")
         return conn
 
-    return optuna.storages.RDBStorage(url, engine_kwargs={"creator": connect})
+    return optuna.storages.RDBStorage(url, engine_kwargs={"creator": connect}, **rdb_options)
 
 
-def _shared_rdb(url: str, attempts: int = 5):
+def _shared_rdb(url: str, attempts: int = 5, **rdb_options):
     """Workers that start together race to create Optuna's tables in an empty database; the loser's
     CREATE fails on what the winner just made. Retrying finds the tables there."""
     import optuna
@@ -106,7 +107,7 @@ def _shared_rdb(url: str, attempts: int = 5):
 
     for attempt in range(attempts):
         try:
-            return optuna.storages.RDBStorage(url)
+            return optuna.storages.RDBStorage(url, **rdb_options)
         except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
             if attempt == attempts - 1:
                 raise

@@ -116,14 +116,16 @@ def check_resumable(store: RunStore, plan: Plan) -> None:
         )
 
 
-def run_sweep(plan: Plan, out: Path, *, resume: bool = False, progress: SweepProgress | None = None) -> SweepOutcome:
-    """Measure every cell of the plan into `out`; on resume only the unfinished ones. Owns SIGINT meanwhile.
-    Events go to `progress` (default: a line per server start and per cell on stdout)."""
+def run_sweep(plan: Plan, out: Path, *, resume: bool = False, progress: SweepProgress | None = None,
+              only: set[str] | None = None) -> SweepOutcome:
+    """Measure every cell of the plan into `out` (or only the cells whose ids are in `only`: a guided sweep); on resume
+    only the unfinished ones. Owns SIGINT meanwhile. Events go to `progress` (default: a line per server start and per
+    cell on stdout)."""
     with interrupt.owned_sigint():
-        return _run_sweep(plan, out, resume=resume, progress=progress or PlainProgress())
+        return _run_sweep(plan, out, resume=resume, progress=progress or PlainProgress(), only=only)
 
 
-def _run_sweep(plan: Plan, out: Path, *, resume: bool, progress: SweepProgress) -> SweepOutcome:
+def _run_sweep(plan: Plan, out: Path, *, resume: bool, progress: SweepProgress, only: set[str] | None = None) -> SweepOutcome:
     if resume:
         store = RunStore.open(out)
         check_resumable(store, plan)
@@ -139,8 +141,9 @@ def _run_sweep(plan: Plan, out: Path, *, resume: bool, progress: SweepProgress) 
     try:
         finished = store.finished_cells()
         done_ids = {cid for cid, row in finished.items() if row.get("status") in ("ok", "failed")}
-        todo = [c for c in plan_cells(plan) if c.id not in done_ids]
-        outcome.skipped = len(plan_cells(plan)) - len(todo)
+        wanted = [c for c in plan_cells(plan) if only is None or c.id in only]
+        todo = [c for c in wanted if c.id not in done_ids]
+        outcome.skipped = len(wanted) - len(todo)
         progress.start(len(todo), outcome.skipped, [s.name for s in plan.servers if any(c.server.name == s.name for c in todo)])
         for spec in plan.servers:
             interrupt.check()

@@ -9,6 +9,7 @@ command runs its trials and then writes, with --worker it only runs trials for a
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from spectune.comparisons import best_schedule
 from spectune.deploy import finalize
 from spectune.emit import validate_sglang_config
 from spectune.errors import SpectuneError
+from spectune.holdout import holdout_lines
 from spectune.scoring import Bench, Score, make_bench
 from spectune.search import open_study, redact, run_trials, trial_counts
 from spectune.simulate import StaticPolicy
@@ -77,6 +79,8 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcom
         outdir = options.out_dir or Path(options.results_dir) / "tuned"
         outcome.summary, outcome.files = finalize(study, bench, run.cells, run.manifest, options, outdir, outcome, log)
         outcome.verdict_lines = verdict_lines(outdir / "tuning.json")
+        for line in holdout_lines(json.loads((outdir / "tuning.json").read_text()).get("holdout", {})):
+            log(line)
     return outcome
 
 

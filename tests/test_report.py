@@ -144,6 +144,10 @@ def test_report_after_tune_includes_the_tuning_results(run, tuned, tmp_path, spe
     tuned_row = next(c for c in tuning["comparisons"] if c["name"] == "tuned_adaptive")
     assert f"{tuned_row['speedup']:.3f}×" in section and f"{tuned_row['speedup'] - 1:+.1%}" in section
     assert (tmp_path / "after" / "tuning.png").exists()
+    # the cost model's held-out error, as tuning.json has it
+    assert "The model on cells it did not see" in section and "one step count (g) left out" in section
+    step = next(r for r in tuning["holdout"]["summary"] if r["holdout"] == "step_count" and r["method"] == "all")
+    assert f"| {step['cells']} |" in section
 
 
 def test_report_shows_deploy_commands_verdict_and_exhaustive_from_tuning_json(tuned, tmp_path):

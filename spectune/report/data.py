@@ -53,6 +53,8 @@ class Tuning:
     exhaustive: str | None
     files: list[str]
     notes: list[str]
+    # held-out prediction error (spectune.holdout.holdout_summary): holdout, method, cells, <metric>_mean/max_abs_pct
+    holdout: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 @dataclass(slots=True)
@@ -266,6 +268,7 @@ def read_tuning(results: Path) -> Tuning | None:
         exhaustive=_text(raw.get("exhaustive")),
         files=[str(f) for f in raw.get("files") or []],
         notes=[str(n) for n in raw.get("notes") or []],
+        holdout=pd.DataFrame([r for r in (raw.get("holdout") or {}).get("summary") or [] if isinstance(r, dict)]),
     )
 
 

@@ -165,6 +165,19 @@ def tuning_table(data: ReportData) -> Table:
                   [False, False, True, True], [False, False, False, False])
 
 
+def holdout_table(data: ReportData) -> Table:
+    """The cost model's error on cells its fit did not see (spectune.holdout), per way of holding out and method."""
+    t = data.tuning
+    if t is None or t.holdout.empty:
+        return _table([], [], [])
+    names = {"step_count": "one step count (g) left out", "batch_size": "one batch size left out"}
+    rows = [[names.get(str(r["holdout"]), str(r["holdout"])), str(r["method"]), str(int(r["cells"]))]
+            + [f"{num(r.get(f'{m}_mean_abs_pct'), 2)}% / {num(r.get(f'{m}_max_abs_pct'), 2)}%" for m in ("tpot", "throughput", "speedup")]
+            for r in t.holdout.to_dict("records")]
+    return _table(rows, ["held out", "method", "cells", "TPOT error mean / max", "tok/s error mean / max", "speedup error mean / max"],
+                  [False, False, True, True, True, True], [True, False, False, False, False, False])
+
+
 def method_tables(data: ReportData) -> list[tuple[str, str, Table]]:
     """Per method: a heading, a one-line finding, and its table."""
     out = []
@@ -300,6 +313,7 @@ def context(data: ReportData, plots: list[Plot]) -> dict:
         "latency": latency_table(data),
         "memory": memory_table(data),
         "tuning_table": tuning_table(data),
+        "holdout": holdout_table(data),
         "methods": method_tables(data),
         "flagged": flagged_table(data),
         "samples": samples_table(data),

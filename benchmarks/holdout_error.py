@@ -1,0 +1,93 @@
+"""Held-out prediction error of the cost model on a results directory, before and after the model terms of issue 12.
+
+    python benchmarks/holdout_error.py RESULTS [RESULTS ...]
+
+Variants, each a full spectune.holdout run on the same cells:
+  before     : round cost a line in g per batch size, terms held at the nearest measured batch size beyond the range
+  +bs extrap : terms continue the line through the two nearest batch sizes (verify work grows with batch x (g+1))
+  +joint     : and the draft terms one line in batch size over all cells when Akaike's criterion prefers it
+               (spectune's model now)
+Also the noise floor: the mean absolute % difference of a cell's output tokens/s between two repeats, halved (the
+error of predicting one repeat's value from the other's, as a share of their mean).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import spectune.costmodel as costmodel  # noqa: E402
+from spectune.holdout import holdout_predictions, holdout_summary  # noqa: E402
+from spectune.store import load_run  # noqa: E402
+
+
+class _HeldAtNearest(costmodel.RoundCost):
+    """The model before issue 12: np.interp holds every term at the nearest measured batch size beyond the range."""
+
+    __slots__ = ()
+
+    def t_round(self, batch_size, steps):
+        bs, g = np.asarray(batch_size, dtype=float), np.asarray(steps, dtype=float)
+        t = np.interp(bs, self.batch_sizes, self.target_ms) + np.where(
+            g > 0, np.interp(bs, self.batch_sizes, self.draft_fixed_ms) + np.interp(bs, self.batch_sizes, self.per_step_ms) * g, 0.0)
+        return float(t) if t.ndim == 0 else t
+
+
+VARIANTS = ("before", "+bs extrap", "+joint")
+
+
+def _variant(name: str) -> dict[str, object]:
+    """costmodel attributes to replace for a variant."""
+    fit_sweep = costmodel.fit_sweep
+    patch: dict[str, object] = {}
+    if VARIANTS.index(name) < 2:
+        patch["_joint_fit"] = lambda target, spec: None
+    if name == "before":
+        def held(*args, **kwargs):
+            fit = fit_sweep(*args, **kwargs)
+            c = fit.cost
+            object.__setattr__(fit, "cost", _HeldAtNearest(c.batch_sizes, c.target_ms, c.draft_fixed_ms, c.per_step_ms))
+            return fit
+        patch["fit_sweep"] = held
+    return patch
+
+
+def noise_floor(cells: pd.DataFrame) -> float:
+    ok = cells[(cells["status"] == "ok") & cells["is_speculative"].astype(bool)]
+    pairs = ok.groupby(["server", "batch_size"])["output_throughput_tps"].agg(["min", "max", "size"])
+    pairs = pairs[pairs["size"] >= 2]
+    return float((100.0 * (pairs["max"] - pairs["min"]) / (pairs["max"] + pairs["min"])).mean())
+
+
+def main() -> None:
+    import spectune.holdout as holdout
+
+    for path in map(Path, sys.argv[1:]):
+        cells = load_run(path).cells
+        print(f"\n{path}: noise floor (half the repeat-to-repeat difference of tok/s) {noise_floor(cells):.1f}%")
+        print("| model | held out | method | cells | TPOT mean / max | tok/s mean / max | speedup mean / max |")
+        print("|---|---|---|---|---|---|---|")
+        for name in VARIANTS:
+            patch = _variant(name)
+            saved = {k: getattr(costmodel, k) for k in patch}
+            try:
+                for k, v in patch.items():
+                    setattr(costmodel, k, v)
+                holdout.fit_sweep = costmodel.fit_sweep  # holdout imported it by name
+                summary = holdout_summary(holdout_predictions(cells))
+            finally:
+                for k, v in saved.items():
+                    setattr(costmodel, k, v)
+                holdout.fit_sweep = costmodel.fit_sweep
+            for r in summary.itertuples():
+                print(f"| {name} | {r.holdout} | {r.method} | {r.cells} | {r.tpot_mean_abs_pct:.1f} / {r.tpot_max_abs_pct:.1f} | "
+                      f"{r.throughput_mean_abs_pct:.1f} / {r.throughput_max_abs_pct:.1f} | {r.speedup_mean_abs_pct:.1f} / {r.speedup_max_abs_pct:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

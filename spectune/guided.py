@@ -1,0 +1,177 @@
+"""A guided sweep: measure part of a plan's grid and let the cost model choose which part.
+
+It measures target-only at every batch size and a few spread-out speculative cells per method (two step counts at
+the smallest batch size, one at the largest: enough to fit a line in g and the draft terms' growth with batch size),
+fits every method, and then, round by round, measures the one unmeasured cell that the model says could beat the
+best measured one at its batch size by the most, and fits again (one cell a round: replayed on a measured grid, taking
+one cell per batch size a round instead left a 2.9% mean gap to the grid's best where one a round left 2.5%). A cell can beat it while its predicted output tokens/s, at the high end of
+its interval (the acceptance's 95% interval, widened by MODEL_MARGIN for the cost model's own error), exceeds the
+best measured at that batch size. The sweep stops when no cell can (the recommendation per batch size is stable) or
+the budget is spent. A cell here is one (server, batch size) with all the plan's repeats; the budget is a share of
+the plan's (server, batch size) pairs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from spectune.costmodel import fit_sweep, split_failed
+from spectune.errors import SpectuneError
+
+# The cost model's own error allowance: held-out prediction error on the embedded engine is of this order
+# (benchmarks/README.md, "held-out error"), so a cell predicted within it of the best is still worth a look.
+MODEL_MARGIN = 0.05
+
+
+@dataclass(slots=True)
+class GuidedResult:
+    measured: list[tuple[str, int]]  # (server, batch size) in the order measured
+    rounds: int  # model-guided rounds after the seed cells
+    stopped: str  # "stable" (no cell can beat the measured best) or "budget"
+    budget_cells: int
+    total_cells: int
+    recommendation: pd.DataFrame = field(default_factory=pd.DataFrame)  # batch_size, server, output_throughput_tps
+
+
+def grid_pairs(servers: pd.DataFrame, batch_sizes: list[int]) -> pd.DataFrame:
+    """Every (server, batch size) of a plan: columns server, method (None: target-only), g, batch_size."""
+    return servers.merge(pd.DataFrame({"batch_size": batch_sizes}), how="cross")
+
+
+def seed_pairs(grid: pd.DataFrame, seed: int) -> list[tuple[str, int]]:
+    """Target-only at every batch size; per method two step counts (one from the lower half of its range, one from the
+    upper, drawn with `seed`) at the smallest batch size and the lower one again at the largest."""
+    rng = np.random.default_rng(seed)
+    sizes = sorted(grid["batch_size"].unique())
+    pairs = [(s, int(b)) for s, b in grid[grid["method"].isna()][["server", "batch_size"]].itertuples(index=False)]
+    for _, servers in grid[grid["method"].notna()].drop_duplicates("server").groupby("method", sort=True):
+        by_g = servers.sort_values("g")["server"].tolist()
+        half = max(1, len(by_g) // 2)
+        low = by_g[int(rng.integers(0, half))]
+        high = by_g[half + int(rng.integers(0, len(by_g) - half))] if len(by_g) > 1 else low
+        pairs += [(low, int(sizes[0])), (high, int(sizes[0])), (low, int(sizes[-1]))]
+    return list(dict.fromkeys(pairs))
+
+
+def predict_unmeasured(cells: pd.DataFrame, grid: pd.DataFrame, measured: set[tuple[str, int]]) -> pd.DataFrame:
+    """Predicted output tokens/s (and its high end) of every unmeasured speculative (server, batch size) whose method
+    can be fitted from `cells`; target-only's measured ms per token at that batch size anchors g = 0."""
+    usable, _ = split_failed(cells)
+    target = usable[~usable["is_speculative"].astype(bool)]
+    base = (1000.0 * target["batch_size"] / target["output_throughput_tps"]).groupby(target["batch_size"]).mean()
+    rows = []
+    todo = grid[grid["method"].notna() & ~grid.apply(lambda r: (r["server"], int(r["batch_size"])) in measured, axis=1)]
+    for method, group in todo.groupby("method"):
+        try:
+            fit = fit_sweep(usable, method=method)
+        except SpectuneError:
+            continue  # nothing measured for it yet
+        profile = fit.pooled
+        for r in group.itertuples():
+            if r.batch_size not in base.index:
+                continue
+            g = int(r.g)
+            t = float(base[r.batch_size]) + fit.cost.t_round(r.batch_size, g) - fit.cost.t_round(r.batch_size, 0)
+            tokens = profile.expected_tokens(g)
+            high_tokens = profile.expected_tokens_interval(g)[1]
+            tps = 1000.0 * r.batch_size * tokens / t
+            rows.append({"server": r.server, "batch_size": int(r.batch_size), "predicted_tps": tps,
+                         "predicted_tps_high": tps * high_tokens / tokens * (1.0 + MODEL_MARGIN)})
+    return pd.DataFrame(rows, columns=["server", "batch_size", "predicted_tps", "predicted_tps_high"])
+
+
+def best_measured(cells: pd.DataFrame) -> pd.DataFrame:
+    """Per batch size the measured cell with the most output tokens/s (mean over repeats)."""
+    usable, _ = split_failed(cells)
+    mean = usable.groupby(["batch_size", "server"], as_index=False)["output_throughput_tps"].mean()
+    return mean.loc[mean.groupby("batch_size")["output_throughput_tps"].idxmax()].reset_index(drop=True)
+
+
+def next_pairs(cells: pd.DataFrame, grid: pd.DataFrame, measured: set[tuple[str, int]], limit: int) -> list[tuple[str, int]]:
+    """Up to `limit` cells to measure next, at most one per batch size: those whose predicted high end beats the best
+    measured at their batch size, the largest ratio first. Empty: the recommendation is stable."""
+    if limit <= 0:
+        return []
+    predicted = predict_unmeasured(cells, grid, measured)
+    best = best_measured(cells).set_index("batch_size")["output_throughput_tps"]
+    predicted = predicted[predicted["batch_size"].isin(best.index)]
+    predicted = predicted.assign(ratio=predicted["predicted_tps_high"] / predicted["batch_size"].map(best))
+    hopeful = predicted[predicted["ratio"] > 1.0].sort_values("ratio", ascending=False).drop_duplicates("batch_size")
+    return [(s, int(b)) for s, b in hopeful[["server", "batch_size"]].itertuples(index=False)][:limit]
+
+
+def guide(grid: pd.DataFrame, measure: Callable[[list[tuple[str, int]]], pd.DataFrame], budget: float, seed: int = 0,
+          log: Callable[[str], None] = print) -> GuidedResult:
+    """Run the guided loop. `measure(pairs)` measures those (server, batch size) pairs and returns every cell measured
+    so far (spectune.store's cell rows); it returns None when interrupted, which ends the loop."""
+    if not 0.0 < budget <= 1.0:
+        raise SpectuneError(f"budget {budget}: must be a share of the plan's cells in (0, 1], e.g. 0.25")
+    total = len(grid)
+    limit = max(1, math.floor(budget * total))
+    seeds = seed_pairs(grid, seed)[:limit]
+    log(f"guided sweep: {len(seeds)} seed cells, then the model's choices; budget {limit} of {total} (server, batch size) cells")
+    measured: list[tuple[str, int]] = list(seeds)
+    cells = measure(seeds)
+    rounds, stopped = 0, "budget"
+    while cells is not None:
+        chosen = next_pairs(cells, grid, set(measured), min(1, limit - len(measured)))
+        if not chosen:
+            stopped = "stable" if len(measured) < limit else "budget"
+            break
+        rounds += 1
+        log(f"guided round {rounds}: measuring {', '.join(f'{s} at batch {b}' for s, b in chosen)}")
+        measured += chosen
+        cells = measure(chosen)
+    result = GuidedResult(measured, rounds, stopped, limit, total)
+    if cells is not None:
+        result.recommendation = best_measured(cells)
+        log(f"guided sweep {stopped}: {len(measured)} of {total} cells measured ({len(measured) / total:.0%}), {rounds} guided rounds")
+    return result
+
+
+def plan_grid(plan) -> pd.DataFrame:
+    """grid_pairs of a sweep plan (closed loop only: a cell is a server and a batch size)."""
+    servers = pd.DataFrame([{"server": s.name, "method": s.method if s.is_speculative else None,
+                             "g": s.num_speculative_tokens or 0} for s in plan.servers if not s.adaptive_config])
+    return grid_pairs(servers, list(plan.batch_sizes))
+
+
+def run_guided(plan, root, *, budget: float, resume: bool = False, seed: int = 0, progress=None):
+    """Measure a guided share of the plan into `root` (a results directory in the usual layout; run.json gets a
+    "guided" record of what was measured and why it stopped). Returns the sweep's SweepOutcome, summed over rounds."""
+    from pathlib import Path
+
+    from spectune.store import RunStore, cell_id, load_run
+    from spectune.sweep import SweepOutcome, run_sweep
+
+    if plan.schedule == "poisson":
+        raise SpectuneError("budget: a guided sweep needs a closed-loop or trace plan (schedule = \"poisson\" has a rate per cell); "
+                            "remove budget or the request rates")
+    root = Path(root)
+    total = SweepOutcome(root=root, done=0, failed=0, skipped=0, interrupted=False)
+    say = progress.message if progress is not None else print
+
+    def measure(pairs: list[tuple[str, int]]) -> pd.DataFrame | None:
+        ids = {cell_id(s, b, r) for s, b in pairs for r in range(plan.repeats)}
+        outcome = run_sweep(plan, root, resume=resume or (root / "run.json").exists(), progress=progress, only=ids)
+        total.done, total.failed, total.skipped = total.done + outcome.done, total.failed + outcome.failed, total.skipped + outcome.skipped
+        if outcome.interrupted:
+            total.interrupted = True
+            return None
+        return load_run(root).cells
+
+    result = guide(plan_grid(plan), measure, budget, seed, log=say)
+    store = RunStore.open(root)
+    store.manifest["guided"] = {"budget": budget, "budget_cells": result.budget_cells, "total_cells": result.total_cells,
+                                "measured": [[s, b] for s, b in result.measured], "rounds": result.rounds, "stopped": result.stopped,
+                                "seed": seed}
+    if not total.interrupted:
+        store.manifest["status"] = "complete"  # every cell the guided sweep chose is measured
+        store.manifest["finished_at"] = store.manifest.get("updated_at")
+    store.save_manifest()
+    return total

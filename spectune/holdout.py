@@ -1,0 +1,122 @@
+"""Out-of-sample accuracy of the cost model: every static speculative cell predicted by a fit that did not see it.
+
+Two ways to hold cells out, per engine + method:
+- leave one step count out: the fit sees every batch size, but no cell at the held-out g (target-only kept);
+- leave one batch size out: the fit sees target-only at every batch size (a guided sweep always measures it) but no
+  speculative cell at the held-out one, whose draft terms then come from the neighbouring batch sizes.
+
+A cell here is one (server, batch size), its measured figures the mean over repeats. Three figures are predicted:
+- TPOT: the fit's ms per token (1000 x batch / tokens/s), times the measured TPOT / ms-per-token ratio of the fit's
+  own speculative cells at that batch size (the share of a token's time that is decode, not others' prefills);
+- output throughput: 1000 x batch size / predicted ms per token;
+- speedup over target-only: target-only's measured ms per token / predicted ms per token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from spectune.costmodel import CostFit, fit_sweep, ms_per_token, split_failed
+from spectune.errors import SpectuneError
+
+METRICS = ("tpot", "throughput", "speedup")
+HOLDOUTS = ("step_count", "batch_size")
+
+
+def holdout_predictions(cells: pd.DataFrame) -> pd.DataFrame:
+    """One row per held-out cell and way of holding out: holdout, engine, method, server, batch_size, g, and per metric
+    predicted_<m>, measured_<m>, <m>_abs_pct_error. Empty where no method has two step counts and two batch sizes."""
+    usable, _ = split_failed(cells)
+    usable = usable.dropna(subset=["output_throughput_tps"])
+    static = usable[usable["is_speculative"].astype(bool) & usable["adaptive_config"].isna() & (usable["num_speculative_tokens"] > 0)]
+    rows: list[dict] = []
+    for (engine, method), spec in static.groupby(["engine", "method"]):
+        others = usable.drop(index=spec.index)
+        for holdout, column in (("step_count", "num_speculative_tokens"), ("batch_size", "batch_size")):
+            values = sorted(spec[column].unique())
+            if len(values) < 2:
+                continue
+            for value in values:
+                held = spec[spec[column] == value]
+                train = pd.concat([others, spec[spec[column] != value]])
+                try:
+                    fit = fit_sweep(train, engine=engine, method=method)
+                except SpectuneError:
+                    continue  # too little left to fit (e.g. no target-only at any remaining batch size)
+                rows += _predict(fit, train, usable, held, holdout)
+    return pd.DataFrame(rows)
+
+
+def holdout_summary(predictions: pd.DataFrame) -> pd.DataFrame:
+    """Per holdout and method (and "all" methods): cells, and mean and max absolute % error per metric."""
+    if predictions.empty:
+        return pd.DataFrame()
+    frames = [predictions, predictions.assign(method="all")]
+    rows = []
+    for (holdout, method), group in pd.concat(frames).groupby(["holdout", "method"], sort=True):
+        row = {"holdout": holdout, "method": method, "cells": len(group)}
+        for m in METRICS:
+            err = group[f"{m}_abs_pct_error"].dropna()
+            row[f"{m}_mean_abs_pct"] = float(err.mean()) if len(err) else float("nan")
+            row[f"{m}_max_abs_pct"] = float(err.max()) if len(err) else float("nan")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def holdout_report(cells: pd.DataFrame) -> dict[str, object]:
+    """tuning.json's "holdout": what it means, the summary and every held-out cell."""
+    predictions = holdout_predictions(cells)
+    return {
+        "meaning": "each static speculative cell (server, batch size; mean over repeats) predicted by a fit that did not see "
+                   "it: leave one step count out (g), leave one batch size out (target-only kept); absolute % error of "
+                   "TPOT, output tokens/s and speedup over target-only",
+        "summary": holdout_summary(predictions).to_dict("records"),
+        "cells": predictions.to_dict("records"),
+    }
+
+
+def holdout_lines(report: dict[str, object]) -> list[str]:
+    """One console line per way of holding out, over all methods."""
+    if not report.get("summary"):
+        return ["held-out error: not computed (no method measured two step counts or two batch sizes with target-only)"]
+    lines = []
+    for row in report["summary"]:
+        if row["method"] != "all":
+            continue
+        what = "leave one step count out" if row["holdout"] == "step_count" else "leave one batch size out"
+        figures = ", ".join(f"{m} {row[f'{m}_mean_abs_pct']:.1f}% (max {row[f'{m}_max_abs_pct']:.1f}%)" for m in METRICS)
+        lines.append(f"held-out error, {what} ({row['cells']} cells): mean abs {figures}")
+    return lines
+
+
+def _predict(fit: CostFit, train: pd.DataFrame, usable: pd.DataFrame, held: pd.DataFrame, holdout: str) -> list[dict]:
+    target = usable[~usable["is_speculative"].astype(bool) & (usable["engine"] == fit.engine)]
+    base = target.assign(ms=ms_per_token(target)).groupby(["workload", "batch_size"])["ms"].mean()
+    spec_train = train[train["is_speculative"].astype(bool) & (train["engine"] == fit.engine) & (train["method"] == fit.method)]
+    tpot_share = _tpot_share(spec_train)
+    measured = held.assign(ms=ms_per_token(held)).groupby(["workload", "server", "batch_size", "num_speculative_tokens"])[
+        ["ms", "output_throughput_tps", "tpot_ms_mean"]].mean()
+    rows = []
+    for (workload, server, bs, g), m in measured.iterrows():
+        if (workload, bs) not in base.index:
+            continue
+        t0 = float(base[(workload, bs)])  # target-only measured here; the fit's draft terms are interpolated if it never saw bs
+        t = t0 + fit.cost.t_round(bs, g) - fit.cost.t_round(bs, 0)
+        ms = t / fit.profile(workload).expected_tokens(int(g))
+        predicted = {"tpot": ms * float(np.interp(bs, tpot_share.index, tpot_share.to_numpy())),
+                     "throughput": 1000.0 * bs / ms, "speedup": t0 / ms}
+        actual = {"tpot": m["tpot_ms_mean"], "throughput": m["output_throughput_tps"], "speedup": t0 / m["ms"]}
+        row = {"holdout": holdout, "engine": fit.engine, "method": fit.method, "workload": workload, "server": server,
+               "batch_size": int(bs), "g": int(g)}
+        for k in METRICS:
+            row[f"predicted_{k}"], row[f"measured_{k}"] = predicted[k], actual[k]
+            row[f"{k}_abs_pct_error"] = 100.0 * abs(predicted[k] - actual[k]) / actual[k]
+        rows.append(row)
+    return rows
+
+
+def _tpot_share(spec: pd.DataFrame) -> pd.Series:
+    """Measured TPOT / ms per token per batch size (sorted index), over speculative cells."""
+    ratio = (spec["tpot_ms_mean"] / ms_per_token(spec)).groupby(spec["batch_size"]).median().dropna()
+    return ratio.sort_index() if len(ratio) else pd.Series([1.0], index=[1])
