@@ -119,8 +119,8 @@ def fit_prefill(steps: pd.DataFrame) -> tuple[float, float, float]:
 def fit_client_side(steps: pd.DataFrame, requests: pd.DataFrame) -> tuple[float, float]:
     """(delivery_ms, stream_end_ms): medians over matched requests of their first and last chunk's arrival at the
     client, and of their stream's end there, after the end of the wall of the step that produced them (the replay's
-    step end: the next step's start)."""
-    wall_end = dict(zip(steps["end_s"], steps["next_start_s"]))
+    step end: the next step's start, or its own end where the engine idled after it)."""
+    wall_end = dict(zip(steps["end_s"], steps["next_start_s"].where(steps["wall_ms"].notna(), steps["end_s"])))
     first_end = requests["e_step_ends"].map(lambda e: wall_end.get(e[0], math.nan))
     last_end = requests["e_step_ends"].map(lambda e: wall_end.get(e[-1], math.nan))
     first = requests["chunk_ns"].map(lambda c: c[0]) / 1e9
