@@ -218,7 +218,9 @@ def report(out: Path) -> str:
         "client's process tree. GuideLLM keeps no per-chunk times, so it has no inter-chunk figures. Send / read: the "
         "mean TTFT error split into the client's send path (its send timestamp → the kernel receiving the request) "
         "and its read path (first chunk sent → the client's timestamp). ×n: repeats; (saturated): the client used "
-        f"{SATURATED:.0%} or more of its core (median), so its figures measure itself as much as the server.",
+        f"{SATURATED:.0%} or more of its core (median), so its figures measure itself as much as the server. Says "
+        "saturated: in how many repeats the client itself marked the cell `client_saturated` (spectune.clientload: "
+        "its event-loop lag and CPU share; neither peer has such a flag).",
         "",
     ]
     if not df.empty:
@@ -235,8 +237,8 @@ def _main_table(df: pd.DataFrame) -> list[str]:
     md = ["### Timing error, throughput and CPU", "",
           "| case | streams | client | TTFT err mean (ms) | TTFT err p99 (ms) | of which send / read (ms) | gap err mean (ms) | "
           "\\|gap err\\| p99 (ms) | gap p50 (ms) | TPOT reported / true (ms) | chunks/s | client CPU | CPU per chunk (µs) | "
-          "failed | emitter late p99 (ms), CPU |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "failed | emitter late p99 (ms), CPU | says saturated |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     main = df[df.case.isin(["main", "saturation"])]
     for (case, streams), cell in main.groupby(["case", "streams"], sort=False):
         gap = cell.gap_ms.iloc[0]
@@ -249,8 +251,14 @@ def _main_table(df: pd.DataFrame) -> list[str]:
                 f"{_fmt(g.gap_err_mean)} | {_fmt(g.gap_abs_err_p99)} | {_fmt(g.gap_p50, 3, spread=False)} | "
                 f"{_fmt(g.tpot_reported)} / {_fmt(g.tpot_true, spread=False)} | {_fmt(g.chunks_per_s, 0)} | "
                 f"{_percent(g.cpu_util, spread=True)} | {_fmt(g.cpu_us_per_chunk, 1)} | {int(g.failed.sum() + g.unmatched.sum())} | "
-                f"{_fmt(g.emitter_late_p99, 2, spread=False)}, {_percent(g.emitter_cpu_util)} |")
+                f"{_fmt(g.emitter_late_p99, 2, spread=False)}, {_percent(g.emitter_cpu_util)} | {_flagged(g)} |")
     return md + [""]
+
+
+def _flagged(g: pd.DataFrame) -> str:
+    """How many repeats the client itself marked client_saturated (spectune.clientload); — for clients without one."""
+    flags = g.self_flagged.dropna() if "self_flagged" in g else pd.Series(dtype=object)
+    return "—" if flags.empty else f"{int(flags.astype(bool).sum())}/{len(flags)}"
 
 
 def _ratio_table(df: pd.DataFrame) -> list[str]:

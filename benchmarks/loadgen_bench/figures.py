@@ -89,6 +89,7 @@ def measure(run: ClientRun, served: dict[int, Emitted], schedule: Schedule) -> d
         "tps_true": completed * schedule.max_tokens / window_s if window_s > 0 else math.nan,
         "tps_reported": run.reported.get("output_tps", math.nan),
         "token_source": str(run.reported.get("token_source", "")),
+        "self_flagged": run.reported.get("client_saturated"),  # spectune.clientload's verdict; None: the client has none
         "chunks": chunks,
         "window_s": window_s,
         "chunks_per_s": chunks / window_s if window_s > 0 else math.nan,
