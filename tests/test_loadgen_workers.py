@@ -149,3 +149,20 @@ def test_bench_with_a_saturated_client_says_so_and_records_it(tmp_path, spectune
     cells = pd.read_parquet(out / "cells.parquet")
     assert bool(cells.loc[0, "client_saturated"]) and cells.loc[0, "client_cpu_share"] > 0.5
     assert json.loads((out / "run.json").read_text())["plan"].get("workers", 1) == 1
+
+
+def test_bench_with_two_workers_writes_one_cell_from_both(tmp_path, spectune_cmd):
+    server = ScriptedServer()
+    out = tmp_path / "bench"
+    with serve_in_thread(server) as url:
+        proc = subprocess.run([*spectune_cmd, "bench", "--url", url, "--concurrency", "4", "--num-prompts", "8",
+                               "--max-tokens", "16", "--workload", "random", "--workers", "2", "--out", str(out)],
+                              capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "client saturated" not in proc.stdout
+    cells = pd.read_parquet(out / "cells.parquet")
+    assert cells.loc[0, "client_processes"] == 2 and not bool(cells.loc[0, "client_saturated"])
+    assert cells.loc[0, "num_requests"] == 8 and cells.loc[0, "num_failed"] == 0
+    requests = pd.read_parquet(out / "requests.parquet")
+    assert sorted(requests["index"]) == list(range(8))
+    assert json.loads((out / "run.json").read_text())["plan"]["workers"] == 2
