@@ -149,6 +149,10 @@ def test_bench_with_a_saturated_client_says_so_and_records_it(tmp_path, spectune
     cells = pd.read_parquet(out / "cells.parquet")
     assert bool(cells.loc[0, "client_saturated"]) and cells.loc[0, "client_cpu_share"] > 0.5
     assert json.loads((out / "run.json").read_text())["plan"].get("workers", 1) == 1
+    report = subprocess.run([*spectune_cmd, "report", str(out), "--out", str(tmp_path / "report")],
+                            capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "client saturated in 1 cell(s) (server batch 8 r0)" in (tmp_path / "report" / "report.md").read_text()
 
 
 def test_bench_with_two_workers_writes_one_cell_from_both(tmp_path, spectune_cmd):
