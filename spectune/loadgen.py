@@ -2,14 +2,15 @@
 
 Per chunk the reader does the least it can. It reads the stream in whatever pieces the socket holds (under
 load, several SSE events per read), stamps each read once when it returns (perf_counter_ns; the events of one
-read share that stamp: that is when the client saw them), splits the events itself, parses each one's JSON
-(orjson where installed; a malformed chunk or an error object ends the request at once) and keeps it. The
-stall and request limits are one lazy timer per request that a read never reschedules (_Watchdog), and the
-loop is uvloop's where installed (event_loop_factory). Profiled (benchmarks/loadgen.py --profile py-spy),
-the time per chunk was in aiohttp's readline (2 calls per event), timer reschedules and json.loads; these
-went. Everything else waits for the end of the request: text, and the tokens each chunk carried (spectune.tokens: per-chunk usage, llama-server timings,
-token_ids, or the served model's tokenizer over the text, reconciled with the final usage total; never one
-token per chunk unless the total confirms it).
+read share that stamp: that is when the client saw them), splits the events itself and keeps each raw payload
+(a payload that is not a JSON object, or that names an "error", ends the request at once). The stall and
+request limits are one lazy timer per request that a read never reschedules (_Watchdog), and the loop is
+uvloop's where installed (event_loop_factory). Profiled (benchmarks/loadgen.py --profile py-spy), the time per
+chunk had gone to aiohttp's readline (2 calls per event), timer reschedules and json.loads; and with parsed
+chunks alive until their request ended, the cyclic GC stopped the loop for ~10 ms at a time.
+Everything else waits for the end of the request: parsing (orjson where installed), text, and the tokens each
+chunk carried (spectune.tokens: per-chunk usage, llama-server timings, token_ids, or the served model's tokenizer
+over the text, reconciled with the final usage total; never one token per chunk unless the total confirms it).
 
 Send times: each record keeps when the request was actually sent (`send_ns`: when its body was handed to the
 socket, so the client's own queueing before that is not in TTFT) and, for schedules with arrival
@@ -34,7 +35,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -339,7 +340,7 @@ class _Sender:
 
     async def _stream(self, session: aiohttp.ClientSession, url: str, data: bytes, record: RequestRecord) -> bool:
         """Fill `record`; True only when the request could not be written to a reused connection."""
-        chunks: list[tuple[int, dict]] = []  # (arrival, parsed chunk): all the per-chunk work done while streaming
+        chunks = _Chunks()  # arrival stamps and raw payloads: all the per-chunk work done while streaming
         task = asyncio.current_task()
         assert task is not None
         cancelling = task.cancelling()
@@ -362,13 +363,13 @@ class _Sender:
                 raise _Expired(dog.why) from None
         except _Expired as e:
             if str(e) == "stall":
-                record.error = f"stall: no chunk for {self.stall_timeout_s:g} s after {len(chunks)} chunks"
+                record.error = f"stall: no chunk for {self.stall_timeout_s:g} s after {len(chunks.payloads)} chunks"
             else:
                 record.error = f"timeout: no end after {self.request_timeout_s:g} s (request_timeout_s)"
         except aiohttp.ClientConnectorError as e:
             record.error = f"connection failed: {e}"
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionResetError) as e:
-            record.error = f"stream ended early after {len(chunks)} chunks ({type(e).__name__}: {e})"
+            record.error = f"stream ended early after {len(chunks.payloads)} chunks ({type(e).__name__}: {e})"
             return not answered and isinstance(e, (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError))
         finally:
             dog.close()
@@ -383,16 +384,29 @@ async def _stamp_sent(session: aiohttp.ClientSession, context, params: aiohttp.T
     context.trace_request_ctx.send_ns = time.perf_counter_ns()
 
 
-async def _read_events(content: aiohttp.StreamReader, dog: _Watchdog, chunks: list[tuple[int, dict]]) -> str | None:
+@dataclass(slots=True)
+class _Chunks:
+    """One stream's chunks as read: two flat lists, no object per chunk (the payloads are parsed when the request
+    ends: thousands of live parsed dicts made Python's cyclic GC stop the loop for ~10 ms at a time)."""
+
+    stamps: list[int] = field(default_factory=list)
+    payloads: list[bytes] = field(default_factory=list)
+
+
+async def _read_events(content: aiohttp.StreamReader, dog: _Watchdog, chunks: _Chunks) -> str | None:
     """Read the SSE stream in whatever pieces the socket gives (often several events per read) until [DONE];
-    each event is stamped with the time its read returned. Returns the record's error, None on [DONE]."""
+    each event is stamped with the time its read returned. Returns the record's error, None on [DONE].
+
+    A payload that is not a JSON object ({...}) or that holds an "error" key ends the request at once; one that
+    only looks like an object is found malformed when the request ends (_fill)."""
     pending = b""
+    stamps, payloads = chunks.stamps, chunks.payloads
     while True:
         data = await content.readany()
         now_ns = time.perf_counter_ns()
         dog.last_ns = now_ns
         if not data:
-            return f"stream ended early after {len(chunks)} chunks (no [DONE])"
+            return f"stream ended early after {len(payloads)} chunks (no [DONE])"
         lines = (pending + data if pending else data).split(b"\n")
         pending = lines.pop()  # the unfinished last line (b"" when the read ended on a newline)
         if len(pending) > MAX_LINE:
@@ -401,22 +415,34 @@ async def _read_events(content: aiohttp.StreamReader, dog: _Watchdog, chunks: li
             if not line.startswith(b"data:"):
                 continue  # blank, comment and other SSE field lines
             payload = line[5:].strip()
-            if payload == b"[DONE]":
-                return None
-            try:
-                chunk = _loads(payload)
-            except ValueError:
-                chunk = None
-            if not isinstance(chunk, dict):
+            if payload[-1:] != b"}" or payload[:1] != b"{":
+                if payload == b"[DONE]":
+                    return None
                 return f"malformed chunk: {payload[:100].decode('utf-8', 'replace')!r}"
-            if "error" in chunk:
-                return f"server error in stream: {json.dumps(chunk['error'])[:200]}"
-            chunks.append((now_ns, chunk))
+            if b'"error"' in payload:  # a cheap test first: JSON escapes every quote inside a string
+                try:
+                    chunk = _loads(payload)
+                except ValueError:
+                    return f"malformed chunk: {payload[:100].decode('utf-8', 'replace')!r}"
+                if isinstance(chunk, dict) and "error" in chunk:
+                    return f"server error in stream: {json.dumps(chunk['error'])[:200]}"
+            stamps.append(now_ns)
+            payloads.append(payload)
 
 
-def _fill(record: RequestRecord, chunks: list[tuple[int, dict]], tokenizer: Tokenizer | None) -> None:
-    """The deferred per-chunk work, once the stream has ended: text and tokens per chunk."""
-    counted = count_tokens(chunks, tokenizer)
+def _fill(record: RequestRecord, chunks: _Chunks, tokenizer: Tokenizer | None) -> None:
+    """The deferred per-chunk work, once the stream has ended: parse, then text and tokens per chunk."""
+    parsed: list[tuple[int, dict]] = []
+    for ns, payload in zip(chunks.stamps, chunks.payloads):
+        try:
+            chunk = _loads(payload)
+        except ValueError:
+            chunk = None
+        if not isinstance(chunk, dict):
+            record.error = record.error or f"malformed chunk: {payload[:100].decode('utf-8', 'replace')!r}"
+            break
+        parsed.append((ns, chunk))
+    counted = count_tokens(parsed, tokenizer)
     record.chunk_ns, record.chunk_tokens, record.text = counted.chunk_ns, counted.chunk_tokens, counted.text
     record.output_tokens, record.prompt_tokens = counted.output_tokens, counted.prompt_tokens
     record.token_source = counted.source
