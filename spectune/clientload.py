@@ -7,7 +7,8 @@ gaps collapse to 0 and then jump. Two figures show it, measured in every process
   CPU share   CPU seconds of the loop's thread over the wall seconds of the phase (1.0 = one core, all of it)
 A cell is `client_saturated` when its busiest process used nearly a whole core (CPU share >= SATURATED_CPU), or
 its loop lag p99 reached SATURATED_LAG_MS while it used at least half a core (lag with a low CPU share is the
-host's other work, not the client's own: a warning of its own in the cell, not this flag). Its inter-chunk
+host's other work, not the client's own: it shows in client_loop_lag_ms_p99 and the cell's foreign_cpu_cores,
+not in this flag). Its inter-chunk
 figures then measure the client; `--workers N` (plan key `workers`) spreads the streams over N processes.
 """
 
