@@ -91,7 +91,7 @@ def run_one(binary: Path, case: str, schedule: emitter.Schedule, streams: int, c
 
 def run_all(args: argparse.Namespace) -> None:
     binary = emitter.build()
-    chosen = [c for c in args.clients if c in clients.CLIENTS]
+    chosen = [c for c in args.clients if c in clients.CLIENTS + clients.OPTIONAL]
     results = args.out / "results.jsonl"
     for client in chosen:
         why = clients.available(client)
@@ -350,7 +350,7 @@ def main() -> None:
     parser.add_argument("--profile", choices=["cprofile", "py-spy"], default=None,
                         help="profile spectune's client (its runs are then left out of the table)")
     args = parser.parse_args()
-    unknown = sorted(set(args.clients) - set(clients.CLIENTS)) + sorted(set(args.cases) - {"main", "k4", "saturation"})
+    unknown = sorted(set(args.clients) - set(clients.CLIENTS + clients.OPTIONAL)) + sorted(set(args.cases) - {"main", "k4", "saturation"})
     if unknown:
         parser.error(f"unknown client or case {', '.join(unknown)}")
     if not args.report_only:
