@@ -224,13 +224,49 @@ def report(out: Path) -> str:
         "",
     ]
     if not df.empty:
-        md += _main_table(df) + _ratio_table(df) + _tokens_table(df)
+        md += _goals(df) + _main_table(df) + _ratio_table(df) + _tokens_table(df)
     for client, why in skipped.items():
         md.append(f"- {client} not run: {why}")
     for r in failed_runs:
         md.append(f"- {r['client']} failed at {r['case']} {r['streams']} streams (repeat {r['repeat']}): "
                   f"{r['error'].strip().splitlines()[-1][:200] if r['error'].strip() else r['error']}")
     return "\n".join(md).rstrip() + "\n"
+
+
+GOAL_RATE, GOAL_TTFT_MS, GOAL_STREAMS = 1.5, 1.0, 64  # the issue's goals
+
+
+def _goals(df: pd.DataFrame) -> list[str]:
+    """The goals, checked against the medians below; and every column where spectune is behind a peer."""
+    md = ["### Goals, checked", ""]
+    main = df[df.case.isin(["main", "saturation"]) & (df.get("profiled").isna() if "profiled" in df else True)]
+    sat = main[main.case == "saturation"]
+    per_core = {c: 1e6 / g.cpu_us_per_chunk.median() for c, g in sat.groupby("client")}
+    if "spectune" in per_core and "vllm" in per_core:
+        ratio = per_core["spectune"] / per_core["vllm"]
+        md.append(f"- Chunks per second per core of client CPU (saturation case, 1 / CPU per chunk): spectune "
+                  f"{per_core['spectune'] / 1e3:.0f}k, vllm {per_core['vllm'] / 1e3:.0f}k: {ratio:.2f}x, goal {GOAL_RATE}x: "
+                  f"{'reached' if ratio >= GOAL_RATE else 'not reached'}.")
+    low = main[(main.case == "main") & (main.client == "spectune") & (main.streams <= GOAL_STREAMS)]
+    if not low.empty:
+        cells = [(n, g.ttft_err_mean.median(), g.ttft_err_p99.median()) for n, g in low.groupby("streams")]
+        ok = all(abs(m) <= GOAL_TTFT_MS and p <= GOAL_TTFT_MS for _, m, p in cells)
+        md.append(f"- TTFT error within {GOAL_TTFT_MS:g} ms up to {GOAL_STREAMS} streams, mean and p99: "
+                  + ", ".join(f"{n}: {m:.2f} / {p:.2f} ms" for n, m, p in cells)
+                  + f": {'reached' if ok else 'not reached'}.")
+    behind = []
+    for (case, streams), cell in main.groupby(["case", "streams"], sort=False):
+        mine = cell[cell.client == "spectune"]
+        for column, label in (("ttft_err_mean", "TTFT err mean"), ("ttft_err_p99", "TTFT err p99"),
+                              ("gap_abs_err_p99", "|gap err| p99"), ("cpu_us_per_chunk", "CPU per chunk")):
+            if mine.empty or mine[column].dropna().empty:
+                continue
+            value = mine[column].median()
+            for peer, g in cell[~cell.client.str.startswith("spectune")].groupby("client"):
+                if not g[column].dropna().empty and g[column].median() < value:
+                    behind.append(f"{case} {streams} streams {label}: spectune {value:.2f}, {peer} {g[column].median():.2f}")
+    md.append("- Where spectune is behind a peer (medians): " + ("; ".join(behind) if behind else "nowhere") + ".")
+    return md + [""]
 
 
 def _main_table(df: pd.DataFrame) -> list[str]:

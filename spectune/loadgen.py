@@ -8,7 +8,7 @@ request limits are one lazy timer per request that a read never reschedules (_Wa
 uvloop's where installed (event_loop_factory). Profiled (benchmarks/loadgen.py --profile py-spy), the time per
 chunk had gone to aiohttp's readline (2 calls per event), timer reschedules and json.loads; and with parsed
 chunks alive until their request ended, the cyclic GC stopped the loop for ~10 ms at a time.
-Everything else waits for the end of the request: parsing (orjson where installed), text, and the tokens each
+Everything else waits until the phase's streams have all ended (_Collect): parsing (orjson where installed), text, and the tokens each
 chunk carried (spectune.tokens: per-chunk usage, llama-server timings, token_ids, or the served model's tokenizer
 over the text, reconciled with the final usage total; never one token per chunk unless the total confirms it).
 
@@ -59,6 +59,7 @@ except ImportError:
         return json.dumps(body).encode("utf-8")
 
 MAX_LINE = 1 << 20  # bytes: an unfinished SSE line longer than this is a malformed stream, not a slow one
+FILL_AT_BYTES = 256 << 20  # raw payloads kept unparsed before the oldest are parsed mid-phase (_Collect)
 
 
 def request_body(
@@ -118,14 +119,14 @@ async def run_requests(
     sender = _Sender.make(base_url, model, api_key=api_key, request_timeout_s=request_timeout_s,
                           stall_timeout_s=stall_timeout_s, tokenizer=tokenizer,
                           sampling=dict(temperature=temperature, seed=seed, ignore_eos=ignore_eos, extra_body=extra_body))
-    counts = _Counts(on_requests)
+    collect = _Collect(out, _Counts(on_requests), tokenizer)
     warmup = [replace(requests[i % len(requests)], index=i) for i in range(warmup_requests)] if requests else []
     load = ClientLoad() if client_load is None else client_load
     phases = [Phase(warmup, schedule, is_warmup=True), Phase(requests, schedule, is_warmup=False)]
     if workers > 1:
         from spectune.loadworkers import run_in_workers
 
-        await run_in_workers(sender, phases, workers, out, counts, after_warmup, load)
+        await run_in_workers(sender, phases, workers, collect, after_warmup, load)
     else:
         async with sender.session() as session:
             for phase in phases:
@@ -137,10 +138,11 @@ async def run_requests(
                 offsets = phase.schedule.send_offsets(phase.requests)
                 try:
                     await _run_phase(session, sender, phase.requests, offsets, phase.schedule.max_concurrency,
-                                     time.perf_counter_ns(), counts.sent, _Collect(out, counts).ended, is_warmup=phase.is_warmup)
+                                     time.perf_counter_ns(), collect.counts.sent, collect.ended, is_warmup=phase.is_warmup)
                 finally:
                     if probe is not None:
                         load.add(probe.stop())
+                    collect.finish()  # parse and count now that no stream of the phase is open
     out.sort(key=lambda r: (not r.warmup, r.index))
     return out
 
@@ -183,22 +185,23 @@ async def _run_phase(
     max_concurrency: int | None,
     start_ns: int,
     on_sent: Callable[[], None],
-    on_ended: Callable[[RequestRecord | None], None],
+    on_ended: Callable[[RequestRecord | None, _Chunks | None], None],
     *,
     is_warmup: bool,
 ) -> None:
     """Dispatch in list order from `start_ns` (perf_counter_ns, one clock for every process on Linux): wait for
-    the request's offset, then for a free slot, then send. `on_ended` gets the record, or None if cancelled."""
+    the request's offset, then for a free slot, then send. `on_ended` gets the record and its raw chunks (None, None
+    if cancelled)."""
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     tasks: list[asyncio.Task] = []
 
     async def send(request: Request, intended_ns: int | None) -> None:
         on_sent()
-        record = None
+        record = chunks = None
         try:
-            record = await sender.send(session, request, is_warmup, intended_ns)
+            record, chunks = await sender.send(session, request, is_warmup, intended_ns)
         finally:
-            on_ended(record)
+            on_ended(record, chunks)
             if slots is not None:
                 slots.release()
 
@@ -248,15 +251,31 @@ class _Counts:
 
 @dataclass(slots=True)
 class _Collect:
-    """Keeps each finished record (a cancelled request has none) and counts it."""
+    """Keeps each finished record (a cancelled request has none) and counts it. Its chunks are parsed and counted
+    (_fill) once the phase's streams have all ended (finish), not while others still stream: that work, ~3 us per
+    chunk, done as each request ended, delayed the last chunks of the requests ending beside it; past
+    FILL_AT_BYTES of raw payloads the oldest are filled at once (memory over timing on very long cells)."""
 
     out: list[RequestRecord]
     counts: _Counts
+    tokenizer: Tokenizer | None = None
+    pending: list[tuple[RequestRecord, _Chunks]] = field(default_factory=list)
+    pending_bytes: int = 0
 
-    def ended(self, record: RequestRecord | None) -> None:
-        if record is not None:
+    def ended(self, record: RequestRecord | None, chunks: _Chunks | None) -> None:
+        if record is not None and chunks is not None:
             self.out.append(record)
+            self.pending.append((record, chunks))
+            self.pending_bytes += chunks.size
+            if self.pending_bytes > FILL_AT_BYTES:
+                self.finish()
         self.counts.ended()
+
+    def finish(self) -> None:
+        for record, chunks in self.pending:
+            _fill(record, chunks, self.tokenizer)
+        self.pending.clear()
+        self.pending_bytes = 0
 
 
 class _Expired(Exception):
@@ -323,24 +342,27 @@ class _Sender:
 
     async def send(
         self, session: aiohttp.ClientSession, request: Request, is_warmup: bool, intended_ns: int | None = None
-    ) -> RequestRecord:
+    ) -> tuple[RequestRecord, _Chunks]:
+        """The record (its token fields left for _fill) and the chunks as read."""
         path = "/v1/chat/completions" if request.messages is not None else "/v1/completions"
         data = _dumps(request_body(request, self.model, **self.sampling))
         for attempt in range(2):
             record = RequestRecord(index=request.index, send_ns=time.perf_counter_ns(), warmup=is_warmup, intended_ns=intended_ns)
+            chunks = _Chunks()  # arrival stamps and raw payloads: all the per-chunk work done while streaming
             try:
-                unsent = await self._stream(session, self.base_url + path, data, record)
+                unsent = await self._stream(session, self.base_url + path, data, record, chunks)
             finally:
                 record.end_ns = time.perf_counter_ns()
             if not unsent or attempt:
-                return record
+                return record, chunks
             # A pooled keep-alive connection the server had just closed: the request never left this
             # process, so it is sent once more on a new connection (and timed from then).
-        return record
+        return record, chunks
 
-    async def _stream(self, session: aiohttp.ClientSession, url: str, data: bytes, record: RequestRecord) -> bool:
-        """Fill `record`; True only when the request could not be written to a reused connection."""
-        chunks = _Chunks()  # arrival stamps and raw payloads: all the per-chunk work done while streaming
+    async def _stream(self, session: aiohttp.ClientSession, url: str, data: bytes, record: RequestRecord,
+                      chunks: _Chunks) -> bool:
+        """Fill `record`'s times and error and `chunks`; True only when the request could not be written to a reused
+        connection."""
         task = asyncio.current_task()
         assert task is not None
         cancelling = task.cancelling()
@@ -373,7 +395,6 @@ class _Sender:
             return not answered and isinstance(e, (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError))
         finally:
             dog.close()
-            _fill(record, chunks, self.tokenizer)
         return False
 
 
@@ -391,6 +412,10 @@ class _Chunks:
 
     stamps: list[int] = field(default_factory=list)
     payloads: list[bytes] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return sum(map(len, self.payloads))
 
 
 async def _read_events(content: aiohttp.StreamReader, dog: _Watchdog, chunks: _Chunks) -> str | None:

@@ -8,8 +8,9 @@ times of all workers compare directly. Between the warm-up and the measured phas
 parent, which runs `after_warmup` once all have finished.
 
 Workers are spawned (not forked: the parent may hold threads and engines), ignore SIGINT (the parent owns
-Ctrl-C: it tells them to stop, which cancels their streams), and send each record to the parent as it ends, so
-a stopped run keeps every finished record, as one process does.
+Ctrl-C: it tells them to stop, which cancels their streams), and send each record to the parent as it ends, with
+its raw chunks (the parent parses them after the phase), so a stopped run keeps every finished record, as one
+process does.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from spectune.clientload import ClientLoad, LoopProbe
-from spectune.records import Request, RequestRecord
+from spectune.records import Request
 
 START_MARGIN_S = 0.02  # between the parent picking the start time and the workers using it
 STOP_WAIT_S = 10.0
@@ -57,9 +58,10 @@ def usable_workers(workers: int, phases) -> int:
     return max(1, min([workers, measured] + caps))
 
 
-async def run_in_workers(sender, phases, workers: int, out: list[RequestRecord], counts,
-                         after_warmup: Callable[[], None] | None, load: ClientLoad) -> None:
-    """Run `phases` (loadgen.Phase) over `workers` processes; records go to `out` as they end."""
+async def run_in_workers(sender, phases, workers: int, collect, after_warmup: Callable[[], None] | None,
+                         load: ClientLoad) -> None:
+    """Run `phases` (loadgen.Phase) over `workers` processes; records go to `collect` (loadgen._Collect) as they
+    end, with their raw chunks, parsed here once the phase has ended."""
     n = usable_workers(workers, phases)
     plans = [[] for _ in range(n)]  # per worker: its share of each phase that has requests
     for phase in phases:
@@ -88,13 +90,15 @@ async def run_in_workers(sender, phases, workers: int, out: list[RequestRecord],
             start_ns = time.perf_counter_ns() + int(START_MARGIN_S * 1e9)
             for conn in conns:
                 conn.send(("go", start_ns))
-            for result in await _gather(inbox, n, "phase_done", out, counts):
+            for result in await _gather(inbox, n, "phase_done", collect):
                 if result is not None:
                     load.add(result)
+            collect.finish()
     finally:
         for conn in conns:
             loop.remove_reader(conn.fileno())
-        _stop(conns, procs, out, counts)
+        _stop(conns, procs, collect)
+        collect.finish()
 
 
 def _receive(conn: Connection, worker: int, inbox: asyncio.Queue) -> None:
@@ -106,7 +110,7 @@ def _receive(conn: Connection, worker: int, inbox: asyncio.Queue) -> None:
     inbox.put_nowait((worker, message))
 
 
-async def _gather(inbox: asyncio.Queue, n: int, kind: str, out: list[RequestRecord] | None = None, counts=None) -> list:
+async def _gather(inbox: asyncio.Queue, n: int, kind: str, collect=None) -> list:
     """Handle messages until every worker has sent `kind`; returns their payloads in worker order."""
     got: dict[int, object] = {}
     while len(got) < n:
@@ -115,25 +119,23 @@ async def _gather(inbox: asyncio.Queue, n: int, kind: str, out: list[RequestReco
             got[worker] = payload
         elif what in ("stopped", "exited") and worker in got:
             continue  # done with its last phase
-        elif not _handle(what, payload, out, counts):
+        elif not _handle(what, payload, collect):
             raise RuntimeError(f"load-generator worker {worker} {what}: {payload}")
     return [got[w] for w in range(n)]
 
 
-def _handle(what: str, payload, out: list[RequestRecord] | None, counts) -> bool:
+def _handle(what: str, payload, collect) -> bool:
     """Progress and records; False for anything else (a failure)."""
-    if what == "sent" and counts is not None:
-        counts.sent()
-    elif what == "ended" and counts is not None:
-        if payload is not None and out is not None:
-            out.append(payload)
-        counts.ended()
+    if what == "sent" and collect is not None:
+        collect.counts.sent()
+    elif what == "ended" and collect is not None:
+        collect.ended(*payload)
     else:
         return False
     return True
 
 
-def _stop(conns: list[Connection], procs: list, out: list[RequestRecord], counts) -> None:
+def _stop(conns: list[Connection], procs: list, collect) -> None:
     """Tell every worker to stop, keep the records they still send, wait for them to exit."""
     deadline = time.monotonic() + STOP_WAIT_S
     for conn, proc in zip(conns, procs):
@@ -147,7 +149,7 @@ def _stop(conns: list[Connection], procs: list, out: list[RequestRecord], counts
                 what, payload = conn.recv()
                 if what == "stopped":
                     break
-                _handle(what, payload, out, counts)
+                _handle(what, payload, collect)
         except (EOFError, OSError):
             pass
         proc.join(max(0.0, deadline - time.monotonic()))
@@ -201,7 +203,7 @@ async def _worker(conn: Connection, sender, plan: list[Share]) -> None:
             probe = None if share.is_warmup else LoopProbe.start()
             phase = asyncio.create_task(_run_phase(
                 session, sender, share.requests, share.offsets, share.max_concurrency, start_ns,
-                lambda: conn.send(("sent", None)), lambda record: conn.send(("ended", record)),
+                lambda: conn.send(("sent", None)), lambda record, chunks: conn.send(("ended", (record, chunks))),
                 is_warmup=share.is_warmup))
             stop = asyncio.create_task(orders.get())
             await asyncio.wait([phase, stop], return_when=asyncio.FIRST_COMPLETED)
