@@ -39,6 +39,7 @@ class ClientLoad:
 
     lags_ms: list[float] = field(default_factory=list)
     cpu_shares: list[float] = field(default_factory=list)  # one per process
+    deferred_cpu_s: float = 0.0  # CPU spent parsing and counting chunks after their streams ended (warm-up included)
 
     def add(self, result: ProbeResult) -> None:
         self.lags_ms += result.lags_ms

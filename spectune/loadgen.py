@@ -143,6 +143,7 @@ async def run_requests(
                     if probe is not None:
                         load.add(probe.stop())
                     collect.finish()  # parse and count now that no stream of the phase is open
+    load.deferred_cpu_s = collect.cpu_s
     out.sort(key=lambda r: (not r.warmup, r.index))
     return out
 
@@ -261,6 +262,7 @@ class _Collect:
     tokenizer: Tokenizer | None = None
     pending: list[tuple[RequestRecord, _Chunks]] = field(default_factory=list)
     pending_bytes: int = 0
+    cpu_s: float = 0.0  # spent in finish()
 
     def ended(self, record: RequestRecord | None, chunks: _Chunks | None) -> None:
         if record is not None and chunks is not None:
@@ -272,10 +274,12 @@ class _Collect:
         self.counts.ended()
 
     def finish(self) -> None:
+        began = time.thread_time()
         for record, chunks in self.pending:
             _fill(record, chunks, self.tokenizer)
         self.pending.clear()
         self.pending_bytes = 0
+        self.cpu_s += time.thread_time() - began
 
 
 class _Expired(Exception):

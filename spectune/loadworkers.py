@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import queue
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -74,14 +76,14 @@ async def run_in_workers(sender, phases, workers: int, collect, after_warmup: Ca
     procs = [ctx.Process(target=_worker_main, args=(child, sender, plan), daemon=True, name=f"spectune-loadgen-{w}")
              for w, ((_, child), plan) in enumerate(zip(pipes, plans))]
     conns = [parent for parent, _ in pipes]
-    inbox: asyncio.Queue = asyncio.Queue()
-    loop = asyncio.get_running_loop()
+    inbox = _Inbox(asyncio.get_running_loop())
     for p in procs:
         p.start()
     for (_, child) in pipes:
         child.close()
-    for w, conn in enumerate(conns):
-        loop.add_reader(conn.fileno(), _receive, conn, w, inbox)
+    readers = [threading.Thread(target=inbox.read, args=(conn, w), daemon=True) for w, conn in enumerate(conns)]
+    for reader in readers:
+        reader.start()
     try:
         await _gather(inbox, n, "ready")
         for i, share in enumerate(plans[0]):
@@ -95,22 +97,44 @@ async def run_in_workers(sender, phases, workers: int, collect, after_warmup: Ca
                     load.add(result)
             collect.finish()
     finally:
-        for conn in conns:
-            loop.remove_reader(conn.fileno())
-        _stop(conns, procs, collect)
+        _stop(conns, procs, readers, inbox, collect)
         collect.finish()
 
 
-def _receive(conn: Connection, worker: int, inbox: asyncio.Queue) -> None:
-    try:
-        message = conn.recv()
-    except (EOFError, OSError):
-        message = ("exited", None)
-        asyncio.get_running_loop().remove_reader(conn.fileno())
-    inbox.put_nowait((worker, message))
+class _Inbox:
+    """Messages from the workers, read by one blocking thread per pipe (an event-loop reader would make the pipe
+    non-blocking, and a record larger than the pipe's buffer then fails to read whole)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: queue.SimpleQueue = queue.SimpleQueue()
+        self.ready = asyncio.Event()
+
+    def read(self, conn: Connection, worker: int) -> None:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                message = ("exited", None)
+            self.items.put((worker, message))
+            try:
+                self.loop.call_soon_threadsafe(self.ready.set)
+            except RuntimeError:  # the loop has closed: _stop drains what is left
+                pass
+            if message[0] in ("exited", "stopped"):
+                return
+
+    async def get(self) -> tuple[int, tuple]:
+        while True:
+            try:
+                return self.items.get_nowait()
+            except queue.Empty:
+                self.ready.clear()
+                if self.items.empty():
+                    await self.ready.wait()
 
 
-async def _gather(inbox: asyncio.Queue, n: int, kind: str, collect=None) -> list:
+async def _gather(inbox: _Inbox, n: int, kind: str, collect=None) -> list:
     """Handle messages until every worker has sent `kind`; returns their payloads in worker order."""
     got: dict[int, object] = {}
     while len(got) < n:
@@ -135,27 +159,27 @@ def _handle(what: str, payload, collect) -> bool:
     return True
 
 
-def _stop(conns: list[Connection], procs: list, collect) -> None:
+def _stop(conns: list[Connection], procs: list, readers: list[threading.Thread], inbox: _Inbox, collect) -> None:
     """Tell every worker to stop, keep the records they still send, wait for them to exit."""
     deadline = time.monotonic() + STOP_WAIT_S
-    for conn, proc in zip(conns, procs):
+    for conn in conns:
         try:
             conn.send(("stop", None))
         except OSError:
             pass
-    for conn, proc in zip(conns, procs):
-        try:
-            while conn.poll(max(0.0, deadline - time.monotonic())):
-                what, payload = conn.recv()
-                if what == "stopped":
-                    break
-                _handle(what, payload, collect)
-        except (EOFError, OSError):
-            pass
+    for reader, proc in zip(readers, procs):
+        reader.join(max(0.0, deadline - time.monotonic()))
         proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             proc.kill()
             proc.join()
+    while True:
+        try:
+            _, (what, payload) = inbox.items.get_nowait()
+        except queue.Empty:
+            break
+        _handle(what, payload, collect)
+    for conn in conns:
         conn.close()
 
 
@@ -187,13 +211,20 @@ async def _worker(conn: Connection, sender, plan: list[Share]) -> None:
     loop = asyncio.get_running_loop()
     orders: asyncio.Queue = asyncio.Queue()
 
-    def on_message() -> None:
-        try:
-            orders.put_nowait(conn.recv())
-        except (EOFError, OSError):  # the parent is gone
-            orders.put_nowait(("stop", None))
+    def read_orders() -> None:  # a blocking thread, not a loop reader: the pipe must stay blocking (see _Inbox)
+        while True:
+            try:
+                order = conn.recv()
+            except (EOFError, OSError):  # the parent is gone
+                order = ("stop", None)
+            try:
+                loop.call_soon_threadsafe(orders.put_nowait, order)
+            except RuntimeError:  # our loop has closed
+                return
+            if order[0] == "stop":
+                return
 
-    loop.add_reader(conn.fileno(), on_message)
+    threading.Thread(target=read_orders, daemon=True).start()
     async with sender.session() as session:
         conn.send(("ready", None))
         for share in plan:

@@ -129,6 +129,14 @@ def test_a_client_flooded_with_chunks_is_marked_saturated():
     assert max(len(set(r.chunk_ns)) for r in records) < 20_000
 
 
+def test_workers_send_records_larger_than_a_pipe_buffer():
+    # 20,000 chunks a request: each record with its raw chunks is megabytes, far above a pipe's 64 KiB
+    with flood_server() as url:
+        records = run_cell(url, "flood", completion_requests(4, max_tokens=20_000), ClosedLoop(2), workers=2)
+    assert [r.index for r in records] == [0, 1, 2, 3]
+    assert all(r.error is None and r.counted_tokens == 20_000 and r.output_tokens == 20_000 for r in records)
+
+
 def test_a_quiet_cell_is_not_marked_saturated():
     load = ClientLoad()
     with serve_in_thread(ScriptedServer()) as url:

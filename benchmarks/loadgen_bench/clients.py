@@ -155,7 +155,8 @@ def _parse_spectune(work: Path) -> tuple[list[Observed], dict[str, float]]:
     s = data["summary"]
     reported = {"ttft_ms": s["ttft_ms_mean"], "per_token_ms": s["itl_ms_mean"], "tpot_ms": s["tpot_ms_mean"],
                 "output_tps": s["output_throughput_tps"], "token_source": data["token_source"],
-                "client_saturated": data.get("client_load", {}).get("client_saturated")}
+                "client_saturated": data.get("client_load", {}).get("client_saturated"),
+                "deferred_cpu_s": data.get("deferred_cpu_s", 0.0)}
     return requests, reported
 
 

@@ -45,7 +45,7 @@ def main() -> None:
         profiler.dump_stats(args.cprofile)
     sources = sorted({r.token_source for r in records})
     out = {"records": [asdict(r) for r in records], "summary": summarize_cell(records), "token_source": ",".join(sources),
-           "client_load": load.row()}
+           "client_load": load.row(), "deferred_cpu_s": load.deferred_cpu_s}
     args.out.write_text(json.dumps(out))
 
 
