@@ -225,6 +225,10 @@ def report(out: Path) -> str:
         "parse as they read).",
         "",
     ]
+    if not df.empty and (df.client == "spectune-w2").any():
+        md += ["spectune-w2: spectune's client with `--workers 2` (spectune.loadworkers). Pinned to the client's one core "
+               "here (this machine has 2: the emitter has the other), so its rows show that two processes return the "
+               "same figures as one, not that they scale; that needs a machine with a core per worker.", ""]
     if not df.empty:
         md += _goals(df) + _main_table(df) + _ratio_table(df) + _tokens_table(df)
     for client, why in skipped.items():
