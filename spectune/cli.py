@@ -277,6 +277,8 @@ def bench(
     slo_ttft_ms: Optional[float] = typer.Option(None, help="Goodput: TTFT limit (ms, from the intended send)."),
     slo_tpot_ms: Optional[float] = typer.Option(None, help="Goodput: TPOT limit (ms)."),
     slo_e2e_ms: Optional[float] = typer.Option(None, help="Goodput: end-to-end limit (ms, from the intended send)."),
+    workers: int = typer.Option(1, min=1, help="Load-generator processes (same requests and schedule, request i to worker i mod N): "
+                                "more when one client core saturates (the cell then says client_saturated)."),
 ) -> None:
     """Measure one cell against an already-running server (attached, not launched) and write the same files as a sweep."""
     from spectune.plan import plan_from_dict
@@ -286,7 +288,7 @@ def bench(
     server = {"name": "server", "engine": "openai", "url": url, "model": model, "api_key_env": api_key_env, "tokenizer": tokenizer}
     raw = {"name": "bench", "workload": workload, "batch_sizes": [concurrency], "repeats": 1, "max_tokens": max_tokens,
            "prompts_per_slot": 1, "min_prompts": num_prompts, "burstiness": burstiness, "slo_ttft_ms": slo_ttft_ms,
-           "slo_tpot_ms": slo_tpot_ms, "slo_e2e_ms": slo_e2e_ms,
+           "slo_tpot_ms": slo_tpot_ms, "slo_e2e_ms": slo_e2e_ms, "workers": workers,
            "servers": [{k: v for k, v in server.items() if v is not None}]}
     if request_rate is not None:
         raw |= {"schedule": "poisson", "request_rates": [request_rate]}

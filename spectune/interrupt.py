@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -101,8 +101,9 @@ def critical(stop_after: bool = True) -> Iterator[None]:
         raise KeyboardInterrupt
 
 
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    """asyncio.run(coro), cancelled by Ctrl-C; KeyboardInterrupt if Ctrl-C came, however the coroutine ended."""
+def run(coro: Coroutine[Any, Any, T], loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> T:
+    """asyncio.run(coro) (on a loop from `loop_factory`, e.g. uvloop's), cancelled by Ctrl-C; KeyboardInterrupt if
+    Ctrl-C came, however the coroutine ended."""
     if requested():
         coro.close()
         check()
@@ -116,7 +117,8 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
     try:
         with critical():  # outside the task (loop start and teardown) a Ctrl-C waits for asyncio.run to return
-            result = asyncio.run(main())
+            with asyncio.Runner(loop_factory=loop_factory) as runner:
+                result = runner.run(main())
     except asyncio.CancelledError:
         check()
         raise

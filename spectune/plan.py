@@ -49,6 +49,7 @@ class Plan:
     slo_tpot_ms: float | None = None
     slo_e2e_ms: float | None = None
     budget: float | None = None  # guided sweep (spectune.guided): measure at most this share of the (server, batch size) cells
+    workers: int = 1  # load-generator processes per cell (spectune.loadworkers): more when one client core saturates
     servers: tuple[ServerSpec, ...] = ()
 
     def num_prompts(self, batch_size: int) -> int:
@@ -61,7 +62,8 @@ class Plan:
 _PLAN_KEYS = {f.name for f in dataclasses.fields(Plan)} - {"servers"}
 _SERVER_KEYS = {f.name for f in dataclasses.fields(ServerSpec)}
 # keys added after runs were recorded: left out of the dict (and the digest) at their defaults, so older runs resume
-_LATER_KEYS = {"request_rates": (), "burstiness": 1.0, "slo_ttft_ms": None, "slo_tpot_ms": None, "slo_e2e_ms": None, "budget": None}
+_LATER_KEYS = {"request_rates": (), "burstiness": 1.0, "slo_ttft_ms": None, "slo_tpot_ms": None, "slo_e2e_ms": None, "budget": None,
+               "workers": 1}
 
 
 def plan_to_dict(plan: Plan) -> dict:
@@ -120,7 +122,7 @@ def plan_from_dict(raw: dict, source: str = "plan", **overrides: object) -> Plan
 
 
 def _check_types(fields: dict, source: str) -> None:
-    ints = {"repeats": 1, "max_tokens": 1, "prompts_per_slot": 1, "min_prompts": 1, "warmup_per_slot": 0, "seed": 0}
+    ints = {"repeats": 1, "max_tokens": 1, "prompts_per_slot": 1, "min_prompts": 1, "warmup_per_slot": 0, "seed": 0, "workers": 1}
     for key, low in ints.items():
         if key in fields:
             v = fields[key]

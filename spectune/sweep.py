@@ -241,7 +241,8 @@ def _served_tokenizer(spec: ServerSpec):
 
 def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, progress: SweepProgress, tokenizer=None) -> dict:
     from spectune.analysis import Slo, acceptance, request_frame, summarize_cell
-    from spectune.loadgen import run_requests
+    from spectune.clientload import ClientLoad
+    from spectune.loadgen import event_loop_factory, run_requests
     from spectune.hostload import ForeignLoad
     from spectune.servers.memory import MemorySampler
     from spectune.servers.running import GaugeSampler, in_flight_mean, log_size, round_log_batch_mean
@@ -261,6 +262,7 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, progress: Swe
     offsets: dict[str, int | None] = {}
     foreign = ForeignLoad([os.getpid(), server.pid()])
     interrupted = False
+    client_load = ClientLoad()
     try:
         sampler.start()
         foreign.start()
@@ -277,7 +279,8 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, progress: Swe
             reset_and_scrape()
         interrupt.run(run_requests(server.base_url, server.model_name, requests, schedule, records=records,
                                    warmup_requests=warmup, after_warmup=reset_and_scrape if warmup else None,
-                                   on_requests=progress.requests, **common))
+                                   on_requests=progress.requests, workers=plan.workers, client_load=client_load, **common),
+                      loop_factory=event_loop_factory())
         before = scrapes[0]
         after = server.scrape()
         offsets["end"] = log_size(round_log)
@@ -300,6 +303,9 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, progress: Swe
     measured = [r for r in records if not r.warmup]
     slo = Slo(ttft_ms=plan.slo_ttft_ms, tpot_ms=plan.slo_tpot_ms, e2e_ms=plan.slo_e2e_ms)
     row.update(summarize_cell(measured, slo if slo != Slo() else None))
+    row.update(client_load.row())  # is the client the bottleneck? (spectune.clientload)
+    if client_load.saturated:
+        progress.message(f"[{cell.server.name}] batch {cell.batch_size}: {client_load.warning(plan.workers)}")
     for source, ran in (("round_log", round_log_batch_mean(round_log, offsets.get("start"), offsets.get("end"))),
                         ("gauge", gauged), ("client", in_flight_mean(measured))):
         if ran is not None:

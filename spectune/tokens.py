@@ -49,20 +49,24 @@ def count_tokens(chunks: list[tuple[int, dict]], tokenizer: Tokenizer | None = N
     cumulative: list[tuple[str, int] | None] = []
     token_ids: list[int | None] = []
     output_tokens = prompt_tokens = None
-    for ns, chunk in chunks:
+    for ns, chunk in chunks:  # runs once per chunk of every request: each lookup made once
         usage = chunk.get("usage")
+        completion = None
         if isinstance(usage, dict):
+            completion = usage.get("completion_tokens")
             output_tokens = usage.get("completion_tokens", output_tokens)
             prompt_tokens = usage.get("prompt_tokens", prompt_tokens)
         choices = chunk.get("choices")
         if not choices or not isinstance(choices[0], dict):
             continue  # usage-only chunk: a total, not new tokens
         choice = choices[0]
-        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
-        text = choice.get("text") or delta.get("content") or delta.get("reasoning_content") or ""
+        text = choice.get("text")
+        if not text:
+            delta = choice.get("delta")
+            text = (delta.get("content") or delta.get("reasoning_content")) if isinstance(delta, dict) else None
         stamps.append(ns)
         texts.append(text if isinstance(text, str) else "")
-        cumulative.append(_cumulative(chunk))
+        cumulative.append(("usage", completion) if isinstance(completion, int) else _timings(chunk))
         ids = choice.get("token_ids")
         token_ids.append(len(ids) if isinstance(ids, list) else None)
     counts, source = _per_chunk(texts, cumulative, token_ids, output_tokens, tokenizer)
@@ -77,10 +81,7 @@ def count_tokens(chunks: list[tuple[int, dict]], tokenizer: Tokenizer | None = N
     )
 
 
-def _cumulative(chunk: dict) -> tuple[str, int] | None:
-    usage = chunk.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        return "usage", usage["completion_tokens"]
+def _timings(chunk: dict) -> tuple[str, int] | None:
     timings = chunk.get("timings")
     if isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
         return "timings", timings["predicted_n"]

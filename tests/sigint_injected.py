@@ -6,7 +6,7 @@ real CLI.
 
 write      in the middle of writing the first cell file: its data on disk, before the rename that commits it.
 finalizer  inside a finalizer the sweep's main thread runs (asyncio's _SelectorTransport.__del__, which sampling
-           the main thread shows it does), once a cell is finished: Python prints a KeyboardInterrupt raised there
+           the main thread shows it does, or aiohttp's ClientResponse.__del__ under uvloop), once a cell is finished: Python prints a KeyboardInterrupt raised there
            as "Exception ignored" and drops it, which is how a Ctrl-C used to be lost (the sweep ran to the end).
 """
 
@@ -39,15 +39,23 @@ def _inject_in_write() -> None:
 
 
 def _inject_in_finalizer(out: Path) -> None:
-    transport = asyncio.selector_events._SelectorTransport
-    real_del = transport.__del__
+    # asyncio's transport finalizer on asyncio's loop; under uvloop (the measurement loop where it is installed)
+    # transports are uvloop's, and aiohttp's response finalizer, run after every request, is the one hit.
+    from aiohttp.client_reqrep import ClientResponse
+
+    for cls in (asyncio.selector_events._SelectorTransport, ClientResponse):
+        _wrap_del(cls, out)
+
+
+def _wrap_del(cls: type, out: Path) -> None:
+    real_del = cls.__del__
 
     def __del__(self, *args):
         if any((out / "cells").glob("*.json")):
-            _once("_SelectorTransport.__del__")
+            _once(f"{cls.__name__}.__del__")
         real_del(self, *args)
 
-    transport.__del__ = __del__
+    cls.__del__ = __del__
 
 
 if __name__ == "__main__":

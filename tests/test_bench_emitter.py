@@ -121,6 +121,7 @@ def test_harness_matches_every_request_of_spectunes_client_to_the_emitters_log(s
     assert figures["tokens_counted_mean"] == 6 and figures["token_source"] == "usage"
     assert figures["emitter_early"] == 0
     assert figures["cpu_s"] >= 0
+    assert figures["self_flagged"] is False  # spectune's own saturation verdict reaches the table; 4 slow streams: no
 
 
 def test_the_table_replaces_only_its_own_section_of_the_readme(tmp_path):

