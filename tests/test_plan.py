@@ -15,8 +15,8 @@ def test_shipped_plans_load_and_expand_step_lists():
     plan = load_plan(REPO / "configs" / "embedded.toml")
     names = [s.name for s in plan.servers]
     assert names[0] == "target" and not plan.servers[0].is_speculative
-    assert "draft-g2" in names and "draft-g4" in names
-    assert {s.num_speculative_tokens for s in plan.servers if s.name.startswith("draft")} == {2, 4}
+    assert "eagle-g2" in names and "eagle-g4" in names and "draft-g2" in names
+    assert {s.num_speculative_tokens for s in plan.servers if s.name.startswith("eagle")} == {2, 4}
     # the parallel drafter beside the EAGLE head, at the same step counts
     steps = {m: {s.num_speculative_tokens for s in plan.servers if s.method == m} for m in ("eagle", "dflash")}
     assert steps["dflash"] == steps["eagle"] == {2, 4}
