@@ -130,11 +130,11 @@ class DraftModelProposer:
         return Proposal(tokens, num_draft, probs)
 
 
-class EagleProposer:
-    """Drafts with an EAGLE-style head (eagle.py) from the target's feature at each sequence's last processed
-    position, kept per KV slot; the head's own state is that one feature, so rejected drafts leave nothing to undo."""
+class _FeatureProposer:
+    """A head that drafts from the target's feature at each sequence's last processed position, kept per KV slot;
+    that feature is its only state, so rejected drafts leave nothing to undo."""
 
-    def __init__(self, head: EagleHead, num_slots: int):
+    def __init__(self, head: EagleHead | DFlashHead, num_slots: int):
         self.head = head
         self.features = torch.zeros(num_slots, head.config.hidden_size)
 
@@ -143,6 +143,10 @@ class EagleProposer:
 
     def observe(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         self.features[[seq.slot for seq in seqs]] = hidden
+
+
+class EagleProposer(_FeatureProposer):
+    """Drafts step by step with an EAGLE-style head (eagle.py), each step feeding its own draft back."""
 
     def propose(
         self, seqs: list[Sequence], num_steps: int, limits: list[int], temperatures: torch.Tensor, uniforms: torch.Tensor
@@ -166,19 +170,9 @@ class EagleProposer:
         return Proposal(tokens, torch.tensor([min(steps, limit) for limit in limits]), probs)
 
 
-class DFlashProposer:
-    """Drafts a whole block in one pass of a DFlash-style head (dflash.py) from the target's feature at each
-    sequence's last processed position (kept per KV slot, as EagleProposer does) and its last few tokens."""
-
-    def __init__(self, head: DFlashHead, num_slots: int):
-        self.head = head
-        self.features = torch.zeros(num_slots, head.config.hidden_size)
-
-    def prefill(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
-        self.observe(seqs, hidden)
-
-    def observe(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
-        self.features[[seq.slot for seq in seqs]] = hidden
+class DFlashProposer(_FeatureProposer):
+    """Drafts a whole block in one pass of a DFlash-style head (dflash.py) from the feature and the sequence's last
+    few tokens."""
 
     def propose(
         self, seqs: list[Sequence], num_steps: int, limits: list[int], temperatures: torch.Tensor, uniforms: torch.Tensor
