@@ -213,6 +213,27 @@ def verdict_text(diffs: tuple[Difference, ...], metric_words: str, passes: int, 
     return f"tuned adaptive on {metric_words}: {body} ({tail})"
 
 
+def action_text(diffs: tuple[Difference, ...], finished: bool, static_steps: int | None = None) -> str:
+    """What to deploy, from a measured verdict: only what the intervals settle (a difference whose interval holds 0
+    decides nothing), and nothing before the rule stopped."""
+    if not finished:
+        return "Not settled yet: run spectune confirm RESULTS again to add passes before deploying on this evidence."
+    by_name = {d.name: d for d in diffs}
+    default = by_name.get(DEFAULT)
+    statics = [by_name[c] for c in (STATIC, TARGET) if c in by_name]
+    beaten_by = [d for d in [default, *statics] if d is not None and d.hi_pct < 0]
+    if beaten_by:  # deploy what beat the tuned config by the most
+        best = min(beaten_by, key=lambda d: d.mean_pct)
+        what = {DEFAULT: "SGLang's default config", TARGET: "target-only (no speculation)"}.get(
+            best.name, f"static g={static_steps}" if static_steps is not None else "the best static config")
+        return f"Deploy {what}: it measured better than the tuned config on this traffic."
+    if default is not None and default.lo_pct > 0:
+        rest = "" if all(d.lo_pct > 0 for d in statics) else " (against the best static config the difference is within noise)"
+        return f"Deploy the tuned adaptive_spec.json: it measured better than SGLang's default on this traffic{rest}."
+    return ("Either will do: on this traffic the tuned config and SGLang's default differ by less than the measurement can tell; "
+            "keeping SGLang's default loses nothing measurable.")
+
+
 # --- running the passes ---------------------------------------------------------------------------------------
 
 
@@ -424,7 +445,8 @@ def measured_verdict(decision: Decision, passes: int, words: str, metric: str, o
     table = table[~table["disturbed"]]
     means = table.groupby("role")["value"].mean()
     return {
-        "text": verdict_text(decision.differences, words, passes, "measured", capped, _static_steps(servers)),
+        "text": verdict_text(decision.differences, words, passes, "measured", capped, _static_steps(servers)) + ". "
+                + action_text(decision.differences, decision.stop, _static_steps(servers)),
         "source": "measured",
         "objective": objective,
         "metric": metric,

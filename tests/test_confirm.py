@@ -14,6 +14,8 @@ from spectune.confirm import (
     ALPHA,
     COMPARED,
     NARROW_PCT,
+    Difference,
+    action_text,
     decide,
     look_alphas,
     look_schedule,
@@ -98,3 +100,35 @@ def test_verdict_never_claims_a_win_when_the_interval_holds_zero(run):
                 assert f"better than {label}" in text and f"by {abs(d.mean_pct):.1f}% [{d.lo_pct:.1f}, {d.hi_pct:.1f}]" in text
             else:
                 assert f"worse than {label}" in text and "better than " + label not in text
+
+
+def _diff(name: str, lo: float, hi: float) -> Difference:
+    return Difference(name, COMPARED[name], 12, (lo + hi) / 2, lo, hi, 0.98)
+
+
+def test_action_deploys_only_what_the_intervals_settle():
+    better = (_diff("sglang-default", 1.0, 3.0), _diff("static", 4.0, 6.0), _diff("target", 0.5, 2.0))
+    assert action_text(better, finished=False).startswith("Not settled yet")
+    assert action_text(better, finished=True) == ("Deploy the tuned adaptive_spec.json: it measured better than SGLang's "
+                                                  "default on this traffic.")
+    noisy_static = (_diff("sglang-default", 1.0, 3.0), _diff("static", 4.0, 6.0), _diff("target", -1.0, 2.0))
+    assert "against the best static config the difference is within noise" in action_text(noisy_static, finished=True)
+    tie = (_diff("sglang-default", -1.0, 1.5), _diff("static", 4.0, 6.0), _diff("target", 1.0, 2.0))
+    assert action_text(tie, finished=True).startswith("Either will do") and "Deploy" not in action_text(tie, finished=True)
+    lost = (_diff("sglang-default", -3.0, -1.0), _diff("static", 4.0, 6.0), _diff("target", -6.0, -4.0), )
+    assert action_text(lost, finished=True).startswith("Deploy target-only (no speculation)")  # it beat the tuned config by most
+    lost_to_g = (_diff("sglang-default", -3.0, -1.0), _diff("static", -8.0, -4.0), _diff("target", 1.0, 2.0))
+    assert action_text(lost_to_g, finished=True, static_steps=2).startswith("Deploy static g=2")
+    lost_to_default = (_diff("sglang-default", -3.0, -1.0), _diff("static", 4.0, 6.0), _diff("target", -1.0, 2.0))
+    assert action_text(lost_to_default, finished=True).startswith("Deploy SGLang's default config")
+
+
+@pytest.mark.parametrize("run", sorted(_recorded()))
+def test_action_on_recorded_passes_never_deploys_the_tuned_config_on_noise(run):
+    gains, higher = _recorded()[run]
+    for n in range(2, len(gains) + 1):
+        decision = decide(gains.iloc[:n], COMPARED, higher, 4, len(gains))
+        action = action_text(decision.differences, decision.stop, static_steps=2)
+        default = next(d for d in decision.differences if d.name == "sglang-default")
+        assert ("Deploy the tuned" in action) == (decision.stop and default.lo_pct > 0
+                                                  and all(d.hi_pct >= 0 for d in decision.differences))
