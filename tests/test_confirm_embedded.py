@@ -66,7 +66,8 @@ def test_confirm_runs_rotated_paired_passes_resumes_and_writes_a_measured_verdic
     assert json.loads((tuned / "tuned" / "tuning.json").read_text())["verdict"]["source"] == "simulated"  # one pass: no interval yet
     _run([*cli, "confirm", str(tuned), "--max-passes", "4", "--min-passes", "2"])
     passes = sorted((tuned / "confirm").glob("pass-*"))
-    assert 2 <= len(passes) <= 4
+    # a pass disturbed by other work on the machine is run again, not counted: up to twice the cap on a busy machine
+    assert 2 <= len(passes) <= 8
     orders, digests = [], set()
     for p in passes:
         run = load_run(p)
@@ -79,9 +80,10 @@ def test_confirm_runs_rotated_paired_passes_resumes_and_writes_a_measured_verdic
     roles = {TARGET, TUNED, DEFAULT}
     assert roles <= set(orders[0]) and any(name.startswith(STATIC + "-g") for name in orders[0])
     verdict = json.loads((tuned / "tuned" / "tuning.json").read_text())["verdict"]
-    assert verdict["source"] == "measured" and verdict["passes"] == len(passes)
-    assert f"{len(passes)} paired passes" in verdict["text"]
+    counted = verdict["passes"]
+    assert verdict["source"] == "measured" and 2 <= counted <= min(4, len(passes))
+    assert f"{counted} paired passes" in verdict["text"]
     for c in verdict["comparisons"]:
         if c["lo_pct"] <= 0 <= c["hi_pct"]:
             assert f"not distinguishable from {c['label']}" in verdict["text"]
-    assert verdict["finished"] == (len(passes) == 4 or all(c["settled"] for c in verdict["comparisons"]))
+    assert verdict["finished"] == (counted == 4 or all(c["settled"] for c in verdict["comparisons"]))

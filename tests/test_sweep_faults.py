@@ -196,7 +196,7 @@ model = "{engine.model_name}"
         assert cause in errors
     assert len(requests) == 20  # failed requests are rows too, with their cause
     # Flagged in the report and kept out of tuning: failure rate above the plan's limit.
-    from spectune.report.build import collect
+    from spectune.report.data import collect
 
     data = collect(out)
     assert len(data.flagged) == 1 and data.per_cell.empty
