@@ -247,6 +247,11 @@ def _llamacpp(tuned: TunedMethod, scores: list[MethodScore], fastest: MethodScor
         else:
             refused[score.method] = "llama.cpp drafts only with a GGUF draft model or n-gram lookup"
             continue
+        if not any(score.best_steps.values()):  # slower than target-only at every batch size: do not speculate
+            note = (f"no speculation: {score.method}, {_ranked(score, fastest, 'llama.cpp runs')}, measured slower than "
+                    f"target-only at every batch size ({score.why()}), and llama.cpp has no per-batch-size steps; "
+                    f"`{shlex.join(flags)}` would add it at draft length {g}.")
+            return _write_llamacpp([], outdir, manifest, "target-only", note + _no_equivalent(refused, "llama.cpp"))
         note = (f"{score.method}: {_ranked(score, fastest, 'llama.cpp runs')} ({score.why()}); draft length {g} at every "
                 "batch size (llama.cpp has no per-batch-size steps).")
         return _write_llamacpp(flags, outdir, manifest, score.method, note + _no_equivalent(refused, "llama.cpp"))

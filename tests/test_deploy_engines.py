@@ -166,3 +166,16 @@ def test_written_files_get_the_mode_open_would_give_them(tmp_path):
         os.umask(old)
     for path in [d.file for d in deployments] + [tmp_path / "deploy.md"]:
         assert path.is_absolute() and oct(path.stat().st_mode & 0o777) == oct(0o640), path
+
+
+def test_llamacpp_does_not_speculate_with_a_method_slower_than_target_only_everywhere(tmp_path, monkeypatch):
+    gguf = tmp_path / "models" / "draft.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.chdir(tmp_path)
+    slower = {"draft-g2": {1: 0.8, 4: 0.9, 16: 0.95}, "eagle-g2": {1: 1.4, 4: 1.3, 16: 1.2}}
+    d = by_engine(write_deployments(tuned("eagle"), cells(slower), MANIFEST, tmp_path / "out", draft_model="models/draft.gguf"))
+    # llama.cpp has no per-batch-size steps: a draft slower at every batch size means running without one
+    assert d["llamacpp"].method == "target-only" and d["llamacpp"].file.read_text().strip() == ""
+    assert "-md" not in d["llamacpp"].command and "slower than target-only at every batch size" in d["llamacpp"].note
+    assert f"-md {gguf}" in d["llamacpp"].note  # how to add it anyway
