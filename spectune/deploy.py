@@ -16,7 +16,7 @@ from spectune.adaptive import AdaptiveConfig
 from spectune.comparisons import compare, exhaustive_report, simulated_verdict
 from spectune.costmodel import CostFit, breakeven_batch_size, prediction_vs_measurement, recommend
 from spectune.deploy_engines import ENGINE_NAMES, Deployment, TunedMethod, write_deployments
-from spectune.emit import describe_sglang_config, sglang_launch_steps
+from spectune.emit import describe_sglang_config, never_drafts, sglang_launch_steps
 from spectune.errors import SpectuneError
 from spectune.holdout import holdout_report
 from spectune.scoring import REPLAY_SEEDS, REQUEST_METRICS, Bench, Replay
@@ -53,7 +53,7 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
                   "failed": outcome.num_failed, "best_trial": best.number, "seed": options.seed},
         "comparisons": summary.to_dict("records"),
         "policies": policies,
-        "tuned_launch_steps": sglang_launch_steps(tuned),
+        "tuned_launch_steps": None if never_drafts(tuned) else sglang_launch_steps(tuned),
         "traces": [{"name": t.name, "rounds": t.num_rounds, "max_steps": t.max_steps,
                     "mean_batch_size": float(t.batch_sizes.mean())} for t in bench.traces],
         **(replay_report(bench.replay) if bench.replay is not None else {}),

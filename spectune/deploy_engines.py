@@ -31,6 +31,7 @@ from spectune.emit import (
     MODEL_FREE_METHODS,
     VllmSpecConfig,
     llamacpp_flags,
+    never_drafts,
     schedule_from_optima,
     sglang_flags,
     sglang_launch_steps,
@@ -153,6 +154,12 @@ def _sglang(tuned: TunedMethod, scores: list[MethodScore], manifest: dict, outdi
                           f"no SGLang equivalent of {tuned.method}: SGLang runs adaptive steps only with "
                           f"{'/'.join(ADAPTIVE_ALGORITHMS)} (topk 1). adaptive_spec.json is {tuned_on}; its ladders suit an EAGLE "
                           f"draft only if that accepts about as often; {advice}.")
+    if never_drafts(tuned.config):
+        command = shlex.join(["python", "-m", "sglang.launch_server", "--model-path", _target(manifest, tuned.engine)])
+        return Deployment("sglang", "target-only", path.resolve(), command,
+                          f"no speculation: the tuned config never drafts (every slot's ladder is [0]): {tuned.method} measured "
+                          "no faster than target-only on this bench at any batch size. Launch SGLang without speculative "
+                          "decoding; adaptive_spec.json is kept for the record.")
     server = _server_entry(manifest, tuned.engine, tuned.method)
     draft = _local_path(server["draft_model"]) if tuned.engine != "embedded" and server.get("draft_model") else None
     flags = sglang_flags(path.resolve(), sglang_launch_steps(tuned.config), algorithm=tuned.method.upper(),

@@ -59,6 +59,11 @@ def write_sglang_config(cfg: AdaptiveConfig, path: str | Path, version: str = "0
     return _write_atomic(Path(path), json.dumps(obj, indent=2) + "\n")
 
 
+def never_drafts(cfg: AdaptiveConfig) -> bool:
+    """Every slot's ladder is [0]: the config is target-only (speculation won nowhere)."""
+    return not any(s > 0 for slot in cfg.slots.values() for s in slot.candidate_steps)
+
+
 def sglang_launch_steps(cfg: AdaptiveConfig) -> int:
     """A --speculative-num-steps SGLang accepts (it must be in some slot's ladder): the step the
     smallest slot would start at by itself (its middle rung), else the smallest positive step."""
@@ -109,6 +114,8 @@ def sglang_flags(
 
 def describe_sglang_config(cfg: AdaptiveConfig) -> str:
     slots = ", ".join(f"bs>={bound} {slot.candidate_steps}" for bound, slot in cfg.slots.items())
+    if never_drafts(cfg):
+        return f"{len(cfg.slots)} slot(s): {slots}; never drafts: launch without speculative decoding"
     return f"{len(cfg.slots)} slot(s): {slots}; launch with --speculative-num-steps {sglang_launch_steps(cfg)}"
 
 

@@ -38,7 +38,7 @@ from spectune.costmodel import (
     fit_sweep,
     read_step_log,
 )
-from spectune.emit import sglang_launch_steps
+from spectune.emit import never_drafts, sglang_launch_steps
 from spectune.errors import SpectuneError
 from spectune.search import SearchSpace
 from spectune.simulate import (
@@ -116,7 +116,8 @@ class Bench:
         return Score(math.exp(sum(math.log(x) for x in ratios) / len(ratios)), figures)
 
     def adaptive(self, cfg: AdaptiveConfig, name: str = "adaptive") -> AdaptiveConfigPolicy:
-        return AdaptiveConfigPolicy(cfg, initial_steps=sglang_launch_steps(cfg), cuda_graph_bs=(), name=name)
+        steps = 0 if never_drafts(cfg) else sglang_launch_steps(cfg)
+        return AdaptiveConfigPolicy(cfg, initial_steps=steps, cuda_graph_bs=(), name=name)
 
 
 def _gain(objective: str, base: SimResult | RequestSimResult, result: SimResult | RequestSimResult) -> float:

@@ -179,3 +179,12 @@ def test_llamacpp_does_not_speculate_with_a_method_slower_than_target_only_every
     assert d["llamacpp"].method == "target-only" and d["llamacpp"].file.read_text().strip() == ""
     assert "-md" not in d["llamacpp"].command and "slower than target-only at every batch size" in d["llamacpp"].note
     assert f"-md {gguf}" in d["llamacpp"].note  # how to add it anyway
+
+
+def test_a_tuned_config_that_never_drafts_deploys_sglang_without_speculation(tmp_path):
+    never = AdaptiveConfig.from_dict({"1": {"candidate_steps": [0]}})
+    slower = {"eagle-g2": {1: 0.9, 4: 0.8, 16: 0.7}}
+    method = TunedMethod(engine="embedded", method="eagle", config=never, steps_by_batch_size={1: 0, 4: 0, 16: 0}, best_static=2)
+    d = by_engine(write_deployments(method, cells(slower), MANIFEST, tmp_path))
+    assert d["sglang"].method == "target-only" and "--speculative" not in d["sglang"].command
+    assert "never drafts" in d["sglang"].note and d["sglang"].file.is_file()
