@@ -292,6 +292,8 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
             log(f"pass {i + 1}: disturbed (other work on this machine, or the engine ran more than {options.max_slowdown:.0%} slower than "
                 "in the other passes); not counted, run again")
         gains = pass_gains(table[~table["disturbed"]], higher) if not table.empty else pass_gains(table, higher)
+        # a pass judged disturbed earlier can count later (the median moved): never count more than the cap
+        gains = gains.iloc[: options.max_passes]
         # which passes count can change as passes come (the median speed moves), so decide on this table only
         decision = decide(gains, COMPARED, higher, options.min_passes, options.max_passes) if len(gains) >= 2 else None
         if decision is not None and decision.stop:
