@@ -101,7 +101,8 @@ def _slots(steps: pd.DataFrame) -> tuple[list[bool], list[int]]:
     for k, (kind, epoch, ids) in enumerate(zip(steps["kind"], steps["epoch"], steps["request_ids"])):
         if epoch != epoch_now:
             free, fresh, slot, epoch_now = [], 0, {}, epoch
-        done = ending.pop(k, [])
+        # A request of an engine killed before it finished ends in no step of the next engine's epoch.
+        done = [key for key in ending.pop(k, []) if key[0] == epoch]
         for key in done:
             heapq.heappush(free, slot.pop(key))
         finished.append(len(done))
