@@ -1,9 +1,11 @@
 """Streaming load generator: sends a request list on a schedule and timestamps every chunk. No analysis.
 
 Per chunk the reader does the least it can. It reads the stream in whatever pieces the socket holds (under
-load, several SSE events per read), stamps each read once when it returns (perf_counter_ns; the events of one
-read share that stamp: that is when the client saw them), splits the events itself and keeps each raw payload
-(a payload that is not a JSON object, or that names an "error", ends the request at once). The stall and
+load, several SSE events per read) and stamps each read once when it returns (perf_counter_ns; the events of one
+read share that stamp: that is when the client saw them). On plain http:// (spectune.rawhttp) a read is only
+stamped and kept: chunk framing and SSE lines are decoded in _fill, and a malformed payload is named when its
+stream ends or stalls. Over aiohttp (https) the reader splits the events itself as it reads (a payload that is
+not a JSON object ends the request at once). Either way an event naming "error" ends the request at once. The stall and
 request limits are one lazy timer per request that a read never reschedules (_Watchdog), and the loop is
 uvloop's where installed (event_loop_factory). Profiled (benchmarks/loadgen.py --profile py-spy), the time per
 chunk had gone to aiohttp's readline (2 calls per event), timer reschedules and json.loads; and with parsed
