@@ -429,8 +429,9 @@ class _Sender:
         except OSError as e:
             record.error = f"connection failed: cannot connect to {pool.host}:{pool.port} ({e})"
             return False
-        ended = conn.send(pool.request_bytes(path, data, self.headers), response)
-        record.send_ns = response.last_ns = time.perf_counter_ns()  # handed to the socket just now
+        request = pool.request_bytes(path, data, self.headers)
+        record.send_ns = response.last_ns = time.perf_counter_ns()  # the write below hands it to the socket at once
+        ended = conn.send(request, response)
         dog = _Watchdog(asyncio.get_running_loop(), task, int(self.stall_timeout_s * 1e9),
                         record.send_ns + int(self.request_timeout_s * 1e9), record.send_ns, response=response)
         dog.arm()
