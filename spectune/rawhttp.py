@@ -1,10 +1,10 @@
 """HTTP/1.1 streaming for plain http:// URLs on asyncio.Protocol: while a response streams, each read is only
 stamped and kept; framing and SSE are decoded later, in bulk.
 
-Why: profiled at 256 streams (benchmarks/loadgen.py --cases saturation), aiohttp spent ~3.5 us per chunk
-waking the reading task (a future, a task step and a StreamReader call per read) before spectune saw a byte.
-Here `data_received` appends (perf_counter_ns, bytes) and runs three substring tests on the read, so a read
-costs well under 1 us; no per-read future, task step or Python object beyond the bytes.
+Why: profiled at 256 streams (benchmarks/loadgen.py --cases saturation; benchmarks/README.md), aiohttp spent
+~2.7 us per chunk parsing each read and waking the reading task (a future, a task step and a StreamReader call
+per read) before spectune saw a byte. Here `data_received` appends (perf_counter_ns, bytes) and runs three
+substring tests on the read: no per-read future, task step or Python object beyond the bytes.
 
 A request ends (its future resolves) at the first of: a `data: [DONE]` line inside one read, an event naming
 "error", the body's framing end (chunked terminator, Content-Length, or the server closing a body that has
@@ -13,6 +13,7 @@ framing and only then goes back to the pool (a connection is reused only after a
 without "Connection: close"). Chunked trailers and content encodings are not supported (spectune asks for
 none): a gzip body is an error that says so.
 
+A chunked body's end is read off its tail ("\r\n0\r\n\r\n"), not by walking every chunk while streaming.
 Decoding (`sse_events`, run when the request's record is filled in): de-chunk the body, split `data:` lines,
 each payload stamped with the read that brought its line's end, as spectune's aiohttp reader does.
 """
@@ -110,7 +111,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport
         self.response: RawResponse | None = None
         self.ended: asyncio.Future | None = None  # resolves when the response ends (see module docstring)
-        self.head = b""  # the response head while it is incomplete
+        self.head: bytes | None = b""  # the response head while it is incomplete; None once read
         self.draining = False  # [DONE] seen: reading on to the framing's end before going idle
         self.reusable = True
 
