@@ -18,7 +18,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def event(completion_tokens: int, text: str) -> bytes:
-    chunk = {"choices": [{"index": 0, "text": text}], "usage": {"prompt_tokens": 3, "completion_tokens": completion_tokens}}
+    usage = {"prompt_tokens": 3, "completion_tokens": completion_tokens}
+    chunk = {"choices": [{"index": 0, "text": text}], "usage": usage}
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
@@ -90,7 +91,8 @@ class PieceServer:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length"))
                 await reader.readexactly(length)
                 self.requests += 1
                 for piece in self.script(self.requests, self.connections):
@@ -142,7 +144,8 @@ def test_streams_cut_at_awkward_places_count_usage_deltas_and_reuse_one_connecti
 
 def test_a_chunked_error_response_gives_its_status_and_body():
     body = b'{"error": {"message": "model not found"}}'
-    server = PieceServer(lambda n, c: [b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n", chunked(body[:9], body[9:])])
+    head = b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n"
+    server = PieceServer(lambda n, c: [head, chunked(body[:9], body[9:])])
     [record] = run(server, 1)
     assert record.error == 'http 404: {"error": {"message": "model not found"}}'
 
