@@ -105,6 +105,7 @@ async def run_requests(
     on_requests: Callable[[int, int], None] | None = None,
     workers: int = 1,
     client_load: ClientLoad | None = None,
+    http_client: str = "auto",
 ) -> list[RequestRecord]:
     """Send `requests` on `schedule`; return one record per request (warm-up ones first, flagged).
 
@@ -116,11 +117,12 @@ async def run_requests(
     model's) counts the tokens of chunks that say nothing of their own (spectune.tokens).
     `workers` > 1 spreads the requests over that many processes (spectune.loadworkers), same schedule, same
     records. `client_load`, when given, is filled with the client's own load during the measured phase
-    (spectune.clientload): whether its timestamps measure the server or itself.
+    (spectune.clientload): whether its timestamps measure the server or itself. `http_client`: "auto" streams
+    plain http:// through spectune.rawhttp and the rest through aiohttp; "aiohttp" uses aiohttp for every URL.
     """
     out = [] if records is None else records
     sender = _Sender.make(base_url, model, api_key=api_key, request_timeout_s=request_timeout_s,
-                          stall_timeout_s=stall_timeout_s, tokenizer=tokenizer,
+                          stall_timeout_s=stall_timeout_s, tokenizer=tokenizer, use_rawhttp=http_client == "auto",
                           sampling=dict(temperature=temperature, seed=seed, ignore_eos=ignore_eos, extra_body=extra_body))
     collect = _Collect(out, _Counts(on_requests), tokenizer)
     warmup = [replace(requests[i % len(requests)], index=i) for i in range(warmup_requests)] if requests else []
@@ -339,6 +341,7 @@ class _Sender:
     stall_timeout_s: float
     sampling: dict  # request_body's keyword arguments
     tokenizer: Tokenizer | None = None
+    use_rawhttp: bool = True  # for plain http:// URLs
 
     @classmethod
     def make(cls, base_url: str, model: str, *, api_key: str | None, **settings) -> _Sender:
@@ -347,7 +350,7 @@ class _Sender:
 
     def session(self) -> rawhttp.Pool | aiohttp.ClientSession:
         """Plain http://: rawhttp (a read costs a stamp and an append); https and the rest: aiohttp."""
-        if self.base_url.startswith("http://"):
+        if self.use_rawhttp and self.base_url.startswith("http://"):
             return rawhttp.Pool(self.base_url)
         timeout = aiohttp.ClientTimeout(total=None)  # our own watchdog (see _stream) covers every wait
         sent = aiohttp.TraceConfig()
