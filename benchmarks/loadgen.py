@@ -220,9 +220,9 @@ def report(out: Path) -> str:
         "and its read path (first chunk sent → the client's timestamp). ×n: repeats; (saturated): the client used "
         f"{SATURATED:.0%} or more of its core (median), so its figures measure itself as much as the server. Says "
         "saturated: in how many repeats the client itself marked the cell `client_saturated` (spectune.clientload: "
-        "its event-loop lag and CPU share; neither peer has such a flag). spectune parses and counts its chunks once "
-        "a cell's streams have ended: that CPU, spent after the window, is added to its CPU per chunk (the peers "
-        "parse as they read).",
+        "its event-loop lag and CPU share; neither peer has such a flag). spectune decodes (chunk framing, SSE lines), "
+        "parses and counts its chunks once a cell's streams have ended: that CPU, spent after the window, is added "
+        "to its CPU per chunk (the peers parse as they read).",
         "",
     ]
     if not df.empty and (df.client == "spectune-w2").any():

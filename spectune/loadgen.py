@@ -1,9 +1,11 @@
 """Streaming load generator: sends a request list on a schedule and timestamps every chunk. No analysis.
 
 Per chunk the reader does the least it can. It reads the stream in whatever pieces the socket holds (under
-load, several SSE events per read), stamps each read once when it returns (perf_counter_ns; the events of one
-read share that stamp: that is when the client saw them), splits the events itself and keeps each raw payload
-(a payload that is not a JSON object, or that names an "error", ends the request at once). The stall and
+load, several SSE events per read) and stamps each read once when it returns (perf_counter_ns; the events of one
+read share that stamp: that is when the client saw them). On plain http:// (spectune.rawhttp) a read is only
+stamped and kept: chunk framing and SSE lines are decoded in _fill, and a malformed payload is named when its
+stream ends or stalls. Over aiohttp (https) the reader splits the events itself as it reads (a payload that is
+not a JSON object ends the request at once). Either way an event naming "error" ends the request at once. The stall and
 request limits are one lazy timer per request that a read never reschedules (_Watchdog), and the loop is
 uvloop's where installed (event_loop_factory). Profiled (benchmarks/loadgen.py --profile py-spy), the time per
 chunk had gone to aiohttp's readline (2 calls per event), timer reschedules and json.loads; and with parsed
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from spectune import rawhttp
 from spectune.clientload import ClientLoad, LoopProbe
 from spectune.records import Request, RequestRecord
 from spectune.tokens import count_tokens
@@ -102,6 +105,7 @@ async def run_requests(
     on_requests: Callable[[int, int], None] | None = None,
     workers: int = 1,
     client_load: ClientLoad | None = None,
+    http_client: str = "auto",
 ) -> list[RequestRecord]:
     """Send `requests` on `schedule`; return one record per request (warm-up ones first, flagged).
 
@@ -113,11 +117,12 @@ async def run_requests(
     model's) counts the tokens of chunks that say nothing of their own (spectune.tokens).
     `workers` > 1 spreads the requests over that many processes (spectune.loadworkers), same schedule, same
     records. `client_load`, when given, is filled with the client's own load during the measured phase
-    (spectune.clientload): whether its timestamps measure the server or itself.
+    (spectune.clientload): whether its timestamps measure the server or itself. `http_client`: "auto" streams
+    plain http:// through spectune.rawhttp and the rest through aiohttp; "aiohttp" uses aiohttp for every URL.
     """
     out = [] if records is None else records
     sender = _Sender.make(base_url, model, api_key=api_key, request_timeout_s=request_timeout_s,
-                          stall_timeout_s=stall_timeout_s, tokenizer=tokenizer,
+                          stall_timeout_s=stall_timeout_s, tokenizer=tokenizer, use_rawhttp=http_client == "auto",
                           sampling=dict(temperature=temperature, seed=seed, ignore_eos=ignore_eos, extra_body=extra_body))
     collect = _Collect(out, _Counts(on_requests), tokenizer)
     warmup = [replace(requests[i % len(requests)], index=i) for i in range(warmup_requests)] if requests else []
@@ -299,16 +304,20 @@ class _Watchdog:
     last_ns: int
     why: str | None = None
     handle: asyncio.TimerHandle | None = None
+    response: rawhttp.RawResponse | None = None  # raw path: its last_ns is the latest read
+
+    def latest_ns(self) -> int:
+        return self.last_ns if self.response is None else self.response.last_ns
 
     def arm(self) -> None:
-        due_ns = min(self.end_ns, self.last_ns + self.stall_ns)
+        due_ns = min(self.end_ns, self.latest_ns() + self.stall_ns)
         self.handle = self.loop.call_later(max(0, due_ns - time.perf_counter_ns()) / 1e9, self.check)
 
     def check(self) -> None:
         now = time.perf_counter_ns()
         if now >= self.end_ns:
             self.why = "timeout"
-        elif now >= self.last_ns + self.stall_ns:
+        elif now >= self.latest_ns() + self.stall_ns:
             self.why = "stall"
         else:
             self.arm()
@@ -332,29 +341,39 @@ class _Sender:
     stall_timeout_s: float
     sampling: dict  # request_body's keyword arguments
     tokenizer: Tokenizer | None = None
+    use_rawhttp: bool = True  # for plain http:// URLs
 
     @classmethod
     def make(cls, base_url: str, model: str, *, api_key: str | None, **settings) -> _Sender:
         headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
         return cls(base_url=base_url.rstrip("/"), model=model, headers=headers, **settings)
 
-    def session(self) -> aiohttp.ClientSession:
+    def session(self) -> rawhttp.Pool | aiohttp.ClientSession:
+        """Plain http://: rawhttp (a read costs a stamp and an append); https and the rest: aiohttp."""
+        if self.use_rawhttp and self.base_url.startswith("http://"):
+            return rawhttp.Pool(self.base_url)
         timeout = aiohttp.ClientTimeout(total=None)  # our own watchdog (see _stream) covers every wait
         sent = aiohttp.TraceConfig()
         sent.on_request_chunk_sent.append(_stamp_sent)
         return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout, trace_configs=[sent])
 
     async def send(
-        self, session: aiohttp.ClientSession, request: Request, is_warmup: bool, intended_ns: int | None = None
-    ) -> tuple[RequestRecord, _Chunks]:
+        self, session: rawhttp.Pool | aiohttp.ClientSession, request: Request, is_warmup: bool,
+        intended_ns: int | None = None,
+    ) -> tuple[RequestRecord, _Chunks | rawhttp.RawResponse]:
         """The record (its token fields left for _fill) and the chunks as read."""
         path = "/v1/chat/completions" if request.messages is not None else "/v1/completions"
         data = _dumps(request_body(request, self.model, **self.sampling))
         for attempt in range(2):
             record = RequestRecord(index=request.index, send_ns=time.perf_counter_ns(), warmup=is_warmup, intended_ns=intended_ns)
-            chunks = _Chunks()  # arrival stamps and raw payloads: all the per-chunk work done while streaming
+            chunks: _Chunks | rawhttp.RawResponse
             try:
-                unsent = await self._stream(session, self.base_url + path, data, record, chunks)
+                if isinstance(session, rawhttp.Pool):
+                    chunks = rawhttp.RawResponse(last_ns=record.send_ns)  # each read, stamped: decoded in _fill
+                    unsent = await self._stream_raw(session, path, data, record, chunks)
+                else:
+                    chunks = _Chunks()  # arrival stamps and raw payloads: all the per-chunk work done while streaming
+                    unsent = await self._stream(session, self.base_url + path, data, record, chunks)
             finally:
                 record.end_ns = time.perf_counter_ns()
             if not unsent or attempt:
@@ -400,6 +419,70 @@ class _Sender:
         finally:
             dog.close()
         return False
+
+    async def _stream_raw(self, pool: rawhttp.Pool, path: str, data: bytes, record: RequestRecord,
+                          response: rawhttp.RawResponse) -> bool:
+        """_stream over rawhttp: the same times and errors; the payloads are split from the reads in _fill (here only
+        when the stream ended otherwise than with [DONE], to name the cause)."""
+        task = asyncio.current_task()
+        assert task is not None
+        cancelling = task.cancelling()
+        try:
+            conn, reused = await pool.connection()
+        except OSError as e:
+            record.error = f"connection failed: cannot connect to {pool.host}:{pool.port} ({e})"
+            return False
+        request = pool.request_bytes(path, data, self.headers)
+        record.send_ns = response.last_ns = time.perf_counter_ns()  # the write below hands it to the socket at once
+        ended = conn.send(request, response)
+        dog = _Watchdog(asyncio.get_running_loop(), task, int(self.stall_timeout_s * 1e9),
+                        record.send_ns + int(self.request_timeout_s * 1e9), record.send_ns, response=response)
+        dog.arm()
+        try:
+            why = await ended
+        except asyncio.CancelledError:
+            conn.abandon()
+            if dog.why is None or task.uncancel() > cancelling:
+                raise  # cancelled from outside (Ctrl-C, the run ending): not ours to record
+            why = dog.why
+        except rawhttp.ProtocolError as e:
+            record.error = f"bad response: {e}"
+            return False
+        finally:
+            dog.close()
+        if why == "closed" and reused and response.status == 0:
+            return True  # a pooled connection the server had closed: nothing of ours was answered
+        if response.status == 0:
+            record.error = "stream ended early after 0 chunks (the connection closed before a response)"
+        elif response.status != 200:
+            body = response.body().decode("utf-8", "replace")
+            record.error = f"http {response.status}: {body[:200]}"
+        elif why != "done":
+            record.error = self._raw_error(why, rawhttp.sse_events(response))
+        return False
+
+    def _raw_error(self, why: str, events: rawhttp.Events) -> str | None:
+        """Why a stream that did not end with [DONE] failed: a malformed or error event before its end, else the end."""
+        for payload in events.payloads:
+            if payload[-1:] != b"}" or payload[:1] != b"{":
+                return f"malformed chunk: {payload[:100].decode('utf-8', 'replace')!r}"
+            if b'"error"' in payload:
+                try:
+                    chunk = _loads(payload)
+                except ValueError:
+                    return f"malformed chunk: {payload[:100].decode('utf-8', 'replace')!r}"
+                if isinstance(chunk, dict) and "error" in chunk:
+                    return f"server error in stream: {json.dumps(chunk['error'])[:200]}"
+        n = len(events.payloads)
+        if why == "stall":
+            return f"stall: no chunk for {self.stall_timeout_s:g} s after {n} chunks"
+        if why == "timeout":
+            return f"timeout: no end after {self.request_timeout_s:g} s (request_timeout_s)"
+        if events.done:
+            return None  # [DONE] came split over two reads: found only now
+        if why == "closed":
+            return f"stream ended early after {n} chunks (the connection closed mid-stream)"
+        return f"stream ended early after {n} chunks (no [DONE])"
 
 
 async def _stamp_sent(session: aiohttp.ClientSession, context, params: aiohttp.TraceRequestChunkSentParams) -> None:
@@ -459,8 +542,14 @@ async def _read_events(content: aiohttp.StreamReader, dog: _Watchdog, chunks: _C
             payloads.append(payload)
 
 
-def _fill(record: RequestRecord, chunks: _Chunks, tokenizer: Tokenizer | None) -> None:
-    """The deferred per-chunk work, once the stream has ended: parse, then text and tokens per chunk."""
+def _fill(record: RequestRecord, chunks: _Chunks | rawhttp.RawResponse, tokenizer: Tokenizer | None) -> None:
+    """The deferred per-chunk work, once the stream has ended: split the reads into events (rawhttp), parse, then
+    text and tokens per chunk."""
+    if isinstance(chunks, rawhttp.RawResponse):
+        if chunks.status != 200:
+            return
+        events = rawhttp.sse_events(chunks)
+        chunks = _Chunks(events.stamps, events.payloads)
     parsed: list[tuple[int, dict]] = []
     for ns, payload in zip(chunks.stamps, chunks.payloads):
         try:
@@ -469,6 +558,9 @@ def _fill(record: RequestRecord, chunks: _Chunks, tokenizer: Tokenizer | None) -
             chunk = None
         if not isinstance(chunk, dict):
             record.error = record.error or f"malformed chunk: {payload[:100].decode('utf-8', 'replace')!r}"
+            break
+        if "error" in chunk:  # raw path: an error event split over reads
+            record.error = record.error or f"server error in stream: {json.dumps(chunk['error'])[:200]}"
             break
         parsed.append((ns, chunk))
     counted = count_tokens(parsed, tokenizer)

@@ -82,9 +82,10 @@ def measure_quietly(requests, schedule, attempts: int = 5, make_server=ScriptedS
     pytest.fail(f"every run had a chunk delivered > {TOLERANCE_MS} ms late (max {max(delays):.2f} ms): machine overloaded")
 
 
+@pytest.mark.parametrize("http_client", ["auto", "aiohttp"])
 @pytest.mark.parametrize("concurrency", [1, 3])
-def test_every_metric_matches_the_server_timestamps_within_1ms(concurrency):
-    records, server = measure_quietly(completion_requests(6), ClosedLoop(concurrency))
+def test_every_metric_matches_the_server_timestamps_within_1ms(concurrency, http_client):
+    records, server = measure_quietly(completion_requests(6), ClosedLoop(concurrency), http_client=http_client)
     truth = ground_truth(records, server)
     summary = summarize_cell(records)
     frame = request_frame(records)
@@ -143,11 +144,11 @@ def test_chat_requests_go_to_chat_endpoint_and_skip_the_role_chunk():
         ("slow", "timeout: no end after 1 s"),
     ],
 )
-def test_faults_are_recorded_with_their_cause_and_counted(mode, expected):
+@pytest.mark.parametrize("http_client", ["auto", "aiohttp"])  # spectune.rawhttp on http://, and aiohttp's reader
+def test_faults_are_recorded_with_their_cause_and_counted(mode, expected, http_client):
     server = ScriptedServer(mode=mode, fail_indices={1, 3})
-    records = asyncio.run(
-        run_against(server, completion_requests(4), ClosedLoop(2), stall_timeout_s=0.3, request_timeout_s=1.0)
-    )
+    records = asyncio.run(run_against(server, completion_requests(4), ClosedLoop(2), stall_timeout_s=0.3,
+                                      request_timeout_s=1.0, http_client=http_client))
     assert [r.index for r in records] == [0, 1, 2, 3]
     for r in records:
         if r.index in (1, 3):
