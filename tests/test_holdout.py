@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from spectune.costmodel import AcceptanceProfile, RoundCost, fit_sweep, recommend
+from spectune.costmodel import AcceptanceProfile, RoundCost, fit_sweep, recommend, server_factors
 from spectune.holdout import holdout_lines, holdout_predictions, holdout_report, holdout_summary
 from synthetic_sweep import SYNTHETIC_PROFILES, synthetic_cells
 
@@ -142,3 +142,19 @@ def test_each_batch_size_is_predicted_with_the_acceptance_of_its_own_traffic():
     assert fit.profile("quote").expected_tokens(4) < fit.profile("quote", 4).expected_tokens(4)  # pooled over both
     held = holdout_predictions(cells)
     assert held[held["holdout"] == "step_count"]["throughput_abs_pct_error"].max() < 1.0
+
+
+def test_a_server_that_ran_slow_at_every_batch_size_is_predicted_slow_where_held_out():
+    # SYNTHETIC: the g = 3 server ran 20% slower at every batch size (launched while the machine was slower)
+    cells = synthetic_cells(cost=LINEAR, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
+    slow = cells["server"] == "draft-g3-quote"
+    cells.loc[slow, "output_throughput_tps"] /= 1.2
+    cells.loc[slow, "tpot_ms_mean"] *= 1.2
+    fit = fit_sweep(cells)
+    factors = server_factors(fit, cells)
+    assert factors["draft-g3-quote"] > 1.1 and factors.drop("draft-g3-quote").between(0.95, 1.05).all()
+    held = holdout_predictions(cells)
+    by_bs = held[(held["holdout"] == "batch_size") & (held["server"] == "draft-g3-quote")]
+    assert by_bs["throughput_abs_pct_error"].max() < 5.0  # 20% without its factor
+    by_g = held[(held["holdout"] == "step_count") & (held["server"] == "draft-g3-quote")]
+    assert by_g["throughput_abs_pct_error"].min() > 10.0  # a held-out server has no factor: its slowness is unknowable
