@@ -2,11 +2,20 @@
 
     python benchmarks/holdout_error.py RESULTS [RESULTS ...]
 
+Two results directories of the same plan in a row also give the relaunch noise: how far a cell measured in one run is
+from the same cell in the other, every server launched again (the floor for cells predicted from other launches).
+
 Variants, each a full spectune.holdout run on the same cells:
   before     : round cost a line in g per batch size, terms held at the nearest measured batch size beyond the range
   +bs extrap : terms continue the line through the two nearest batch sizes (verify work grows with batch x (g+1))
   +joint     : and the draft terms one line in batch size over all cells when Akaike's criterion prefers it
-               (spectune's model now)
+  +request   : and the per-request part of a token's time (TTFT, turnaround) paid once per token, not once per round
+               (RoundCost.request_ms)
+  +trend     : and acceptance per position moving with the step count a round runs at (AcceptanceProfile.trend)
+  +bs accept : and each batch size's traffic predicted with its own acceptance where cells measured it
+               (CostFit.by_batch_size)
+  +server    : and a held-out cell's server scaled by how it ran at the batch sizes the fit saw
+               (costmodel.server_factors: leave one batch size out only; spectune's model now)
 Also the noise floor: the mean absolute % difference of a cell's output tokens/s between two repeats, halved (the
 error of predicting one repeat's value from the other's, as a share of their mean).
 """
@@ -38,13 +47,21 @@ class _HeldAtNearest(costmodel.RoundCost):
         return float(t) if t.ndim == 0 else t
 
 
-VARIANTS = ("before", "+bs extrap", "+joint")
+VARIANTS = ("before", "+bs extrap", "+joint", "+request", "+trend", "+bs accept", "+server")
 
 
 def _variant(name: str) -> dict[str, object]:
     """costmodel attributes to replace for a variant."""
     fit_sweep = costmodel.fit_sweep
     patch: dict[str, object] = {}
+    if VARIANTS.index(name) < 6:
+        patch["server_factors"] = lambda fit, cells: pd.Series(dtype=float)
+    if VARIANTS.index(name) < 5:
+        patch["_acceptance_by_batch_size"] = lambda spec, acceptance: {}
+    if VARIANTS.index(name) < 4:
+        patch["_survival_trend"] = lambda *args: 0.0
+    if VARIANTS.index(name) < 3:
+        patch["request_ms_by_batch_size"] = lambda spec: pd.Series(dtype=float)
     if VARIANTS.index(name) < 2:
         patch["_joint_fit"] = lambda target, spec: None
     if name == "before":
@@ -64,6 +81,16 @@ def noise_floor(cells: pd.DataFrame) -> float:
     return float((100.0 * (pairs["max"] - pairs["min"]) / (pairs["max"] + pairs["min"])).mean())
 
 
+def relaunch_noise(a: pd.DataFrame, b: pd.DataFrame) -> tuple[float, float]:
+    """Half the difference of each (server, batch size)'s mean tok/s between two runs of one plan (every server launched
+    again, minutes later), as a share of their mean: (mean, max) %. What a cell's prediction from cells measured in
+    another launch cannot beat."""
+    mean = [c[c["status"] == "ok"].groupby(["server", "batch_size"])["output_throughput_tps"].mean() for c in (a, b)]
+    x, y = mean[0].align(mean[1], join="inner")
+    half = 100.0 * (x - y).abs() / (x + y)
+    return float(half.mean()), float(half.max())
+
+
 def main() -> None:
     import spectune.holdout as holdout
 
@@ -78,15 +105,22 @@ def main() -> None:
             try:
                 for k, v in patch.items():
                     setattr(costmodel, k, v)
-                holdout.fit_sweep = costmodel.fit_sweep  # holdout imported it by name
+                holdout.fit_sweep, holdout.server_factors = costmodel.fit_sweep, costmodel.server_factors  # imported by name
                 summary = holdout_summary(holdout_predictions(cells))
             finally:
                 for k, v in saved.items():
                     setattr(costmodel, k, v)
-                holdout.fit_sweep = costmodel.fit_sweep
+                holdout.fit_sweep, holdout.server_factors = costmodel.fit_sweep, costmodel.server_factors
             for r in summary.itertuples():
                 print(f"| {name} | {r.holdout} | {r.method} | {r.cells} | {r.tpot_mean_abs_pct:.1f} / {r.tpot_max_abs_pct:.1f} | "
                       f"{r.throughput_mean_abs_pct:.1f} / {r.throughput_max_abs_pct:.1f} | {r.speedup_mean_abs_pct:.1f} / {r.speedup_max_abs_pct:.1f} |")
+
+    runs = [load_run(path) for path in map(Path, sys.argv[1:])]
+    for (pa, a), (pb, b) in zip(zip(sys.argv[1:], runs), zip(sys.argv[2:], runs[1:])):
+        if a.manifest.get("plan", {}).get("name") == b.manifest.get("plan", {}).get("name"):
+            mean, worst = relaunch_noise(a.cells, b.cells)
+            print(f"\n{pa} vs {pb} (same plan, servers launched again): half the difference of a cell's tok/s "
+                  f"{mean:.1f}% mean, {worst:.1f}% max")
 
 
 if __name__ == "__main__":

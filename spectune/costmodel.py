@@ -22,9 +22,16 @@ tokens per round:
   tokens per round (by ~20% for n-gram here); an engine that coalesces rounds into one chunk makes the
   ratio overstate them. Each error only inflates, so the smaller is the better.
 
+Part of ms per token is paid once per request, not once per round: its wait for the first token and the client's
+turnaround (request_ms, measured per cell as ms per token - (N - 1) / N x TPOT for N output tokens). A round yielding
+E tokens divides the per-round part by E but not this one, so a cell predicts ms per token = (t_round - h) / E + h
+(RoundCost.ms_per_token); folding h into t_round instead made the cost look concave in g (g = 1, fewest tokens per
+round, ran 10-25% faster than the line through g = 2..6 on the embedded engine, benchmarks/README.md).
+
 Acceptance is fitted over every request-round, the unit of the simulator's traces: a request whose
 proposer offered nothing counts as rejecting draft 1. The share of request-rounds that drafted is
-(tokens per round - 1) / (acceptance_length - 1).
+(tokens per round - 1) / (acceptance_length - 1). Per-position survival moves with the step count a round runs at
+(AcceptanceProfile.trend), and each batch size's traffic has its own acceptance (CostFit.by_batch_size).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -112,6 +119,12 @@ class AcceptanceProfile:
     # Standard error of S_i = P(at least i drafts accepted) per measured position, from the spread over cells;
     # empty where unknown. Positions beyond the measured ones take the last.
     survival_se: tuple[float, ...] = ()
+    # How a round's survival changes with the step count it runs at: S_i(g) = S_i x (1 + trend x (g - trend_ref_g)).
+    # Acceptance is correlated along the text, and a round at larger g more often starts right after a rejection,
+    # where drafting is harder (measured: S_1 falls from 0.76 at g = 1 to 0.68 at g = 6 for EAGLE, 0.47 to 0.34 for
+    # n-gram). rates / survival() hold at trend_ref_g; expected_tokens(g) applies the trend. 0: none fitted.
+    trend: float = 0.0
+    trend_ref_g: float = 0.0
 
     def rate_vector(self, k: int) -> np.ndarray:
         """a_1..a_k as an array ([k])."""
@@ -122,8 +135,12 @@ class AcceptanceProfile:
         """S_i = P(at least i drafts accepted), i = 1..k ([k])."""
         return np.cumprod(self.rate_vector(k))
 
+    def survival_at(self, g: int) -> np.ndarray:
+        """S_1..S_g of a round that runs at step count g ([g]): survival(g) moved by the trend."""
+        return np.clip(self.survival(g) * (1.0 + self.trend * (g - self.trend_ref_g)), 0.0, 1.0)
+
     def expected_tokens(self, g: int) -> float:
-        return 1.0 + float(self.survival(g).sum()) if g > 0 else 1.0
+        return 1.0 + float(self.survival_at(g).sum()) if g > 0 else 1.0
 
     def expected_tokens_interval(self, g: int, z: float = 1.96) -> tuple[float, float]:
         """(low, high) of expected_tokens(g) at z standard errors of every S_i, taken as moving together (their
@@ -132,7 +149,7 @@ class AcceptanceProfile:
         if g <= 0 or not self.survival_se:
             e = self.expected_tokens(g)
             return e, e
-        s = self.survival(g)
+        s = self.survival_at(g)
         se = np.asarray(self.survival_se, dtype=float)[np.minimum(np.arange(g), len(self.survival_se) - 1)]
         se = np.nan_to_num(se, nan=0.0)
         return 1.0 + float(np.clip(s - z * se, 0.0, 1.0).sum()), 1.0 + float(np.clip(s + z * se, 0.0, 1.0).sum())
@@ -148,6 +165,10 @@ class RoundCost:
     target_ms: tuple[float, ...]
     draft_fixed_ms: tuple[float, ...]
     per_step_ms: tuple[float, ...]
+    # Per batch size, the share of target_ms that is paid per request, not per round (its wait for a prefill and the
+    # client's turnaround, spread over its output tokens): a round yielding more tokens does not pay it again. Empty:
+    # not fitted (0), every ms of a round is per round.
+    request_ms: tuple[float, ...] = ()
 
     def t_round(self, batch_size, steps):
         """ms for one round; scalars or broadcastable arrays. steps 0 = plain decode."""
@@ -157,6 +178,13 @@ class RoundCost:
         draft = _extrapolate(bs, self.batch_sizes, self.draft_fixed_ms) + _extrapolate(bs, self.batch_sizes, self.per_step_ms) * g
         t = target + np.where(g > 0, draft, 0.0)
         return float(t) if t.ndim == 0 else t
+
+    def ms_per_token(self, batch_size, steps, tokens):
+        """ms per output token and sequence when a round of `steps` drafts yields `tokens` per sequence: the per-round
+        part of t_round over the tokens, plus the per-request part (request_ms) once per token. Scalars or arrays."""
+        request = _extrapolate(np.asarray(batch_size, dtype=float), self.batch_sizes, self.request_ms) if self.request_ms else 0.0
+        t = (np.asarray(self.t_round(batch_size, steps)) - request) / np.asarray(tokens, dtype=float) + request
+        return float(t) if np.ndim(t) == 0 else t
 
     def t_speculative(self, batch_size, width):
         """ms for a round that ran the proposer and verified `width` drafts per request (0 when none offered any:
@@ -190,12 +218,18 @@ class CostFit:
     pooled: AcceptanceProfile  # over all workloads
     excluded: pd.DataFrame  # cells dropped for failures, with the reason
     steps: tuple[int, ...]  # the measured step counts g >= 1
+    # Per (workload, batch size) with speculative cells: acceptance of that traffic. A closed-loop sweep sends each
+    # batch size its own prompts, and acceptance differs with them (n-gram: 1.42 to 1.51 tokens per round at g = 1).
+    by_batch_size: dict[tuple[str, int], AcceptanceProfile] = field(default_factory=dict)
 
     @property
     def max_steps(self) -> int:
         return self.steps[-1]
 
-    def profile(self, workload: str | None) -> AcceptanceProfile:
+    def profile(self, workload: str | None, batch_size: int | None = None) -> AcceptanceProfile:
+        """Acceptance of a workload (None: pooled), of its traffic at `batch_size` where cells measured it there."""
+        if workload is not None and batch_size is not None and (workload, int(batch_size)) in self.by_batch_size:
+            return self.by_batch_size[(workload, int(batch_size))]
         return self.acceptance.get(workload, self.pooled) if workload is not None else self.pooled
 
 
@@ -254,6 +288,7 @@ def fit_sweep(
         target_ms=tuple(table["target_ms"]),
         draft_fixed_ms=tuple(table["draft_fixed_ms"]),
         per_step_ms=tuple(table["per_step_ms"]),
+        request_ms=_request_terms(table["batch_size"], spec),
     )
     acceptance = {str(w): _fit_acceptance(group) for w, group in spec.groupby("workload")}
     return CostFit(
@@ -265,13 +300,37 @@ def fit_sweep(
         pooled=_fit_acceptance(spec),
         excluded=excluded,
         steps=tuple(sorted(int(g) for g in spec["num_speculative_tokens"].unique())),
+        by_batch_size=_acceptance_by_batch_size(spec, acceptance),
     )
+
+
+def _acceptance_by_batch_size(spec: pd.DataFrame, acceptance: dict[str, AcceptanceProfile]) -> dict[tuple[str, int], AcceptanceProfile]:
+    """Acceptance per (workload, batch size) from the cells there, with the workload's trend in g (a batch size's few
+    step counts say little about it), where every position the workload measured was measured there too."""
+    out = {}
+    for (workload, bs), group in spec.groupby(["workload", "batch_size"]):
+        whole = acceptance[str(workload)]
+        if whole.source != "per_position":
+            continue
+        profile = _fit_acceptance(group, trend=whole.trend)
+        if profile.source == "per_position" and len(profile.rates) >= len(whole.rates):
+            out[(str(workload), int(bs))] = profile
+    return out
+
+
+def _request_terms(batch_sizes: pd.Series, spec: pd.DataFrame) -> tuple[float, ...]:
+    """RoundCost.request_ms at the fit's batch sizes: measured where speculative cells ran, else the line through the
+    nearest two (floored at 0); () where nothing measured it."""
+    h = request_ms_by_batch_size(spec.dropna(subset=["output_throughput_tps", "tpot_ms_mean"])).dropna()
+    if h.empty or not (h > 0).any():
+        return ()
+    return tuple(float(v) for v in np.atleast_1d(_extrapolate(batch_sizes.to_numpy(float), h.index.to_numpy(float), h.to_numpy(float))))
 
 
 def _local_fit(spec: pd.DataFrame) -> tuple[float, int]:
     """Lines in g per batch size: (residual sum of squares of relative residuals, number of terms)."""
     spec = spec.dropna(subset=["output_throughput_tps", "tpot_ms_mean", "acceptance_length"])
-    t = (ms_per_token(spec) * tokens_per_round(spec)).to_numpy(float)
+    t = round_points(spec).to_numpy(float)
     g, bs = spec["num_speculative_tokens"].to_numpy(float), spec["batch_size"].to_numpy()
     total, terms = 0.0, 0
     for b in np.unique(bs):
@@ -311,7 +370,7 @@ def _joint_fit(target: pd.DataFrame, spec: pd.DataFrame) -> tuple[np.ndarray, fl
         return None
     bs = spec["batch_size"].to_numpy(float)
     u = spec["num_speculative_tokens"].to_numpy(float)
-    t = (ms_per_token(spec) * tokens_per_round(spec)).to_numpy(float)
+    t = round_points(spec).to_numpy(float)
     t0 = spec["batch_size"].map(base).to_numpy(float)
     X = np.column_stack([np.ones_like(bs), bs, u, bs * u]) / t[:, None]  # [n, 4], rows scaled to relative error
     coef, _, rank, _ = np.linalg.lstsq(X, (t - t0) / t, rcond=None)
@@ -352,7 +411,7 @@ def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame) -> pd.DataFrame:
             continue  # no target-only TPOT at this batch size: nothing to anchor g = 0
         t1, t1_sd = float(base.mean()), float(base.std(ddof=1)) if len(base) > 1 else math.nan
         g = points["num_speculative_tokens"].to_numpy(float)
-        t = (ms_per_token(points) * tokens_per_round(points)).to_numpy(float)
+        t = round_points(points, spec).to_numpy(float)
         # A slope below 0 is noise (one more draft position cannot make a round cheaper); extrapolated to the
         # step counts past the measured ones (the presets reach 7) it gives ever cheaper, even negative,
         # rounds. Then the round cost is flat in g: the mean of the measured points.
@@ -390,6 +449,30 @@ def ms_per_token(cells: pd.DataFrame) -> pd.Series:
     return 1000.0 * cells["batch_size"] / cells["output_throughput_tps"]
 
 
+def request_ms(cells: pd.DataFrame) -> pd.Series:
+    """Per cell, the ms per output token a sequence pays once per request rather than per round: its time to first
+    token and the client's turnaround, spread over its N output tokens. A slot serves one request in TTFT + (N - 1)
+    TPOT + turnaround = N x ms per token, so this is ms per token - (N - 1) / N x TPOT. 0 where not measured."""
+    if not {"output_tokens_total", "num_requests", "tpot_ms_mean"} <= set(cells.columns):
+        return pd.Series(0.0, index=cells.index)
+    n = cells["output_tokens_total"] / cells["num_requests"]
+    return (ms_per_token(cells) - (n - 1.0) / n * cells["tpot_ms_mean"]).clip(lower=0.0).fillna(0.0)
+
+
+def request_ms_by_batch_size(spec: pd.DataFrame) -> pd.Series:
+    """request_ms per batch size (sorted index), the mean over speculative cells."""
+    return request_ms(spec).groupby(spec["batch_size"]).mean().sort_index()
+
+
+def round_points(spec: pd.DataFrame, like: pd.DataFrame | None = None) -> pd.Series:
+    """Per speculative cell, what RoundCost.t_round models: ms per token x tokens per round, less the per-request
+    part that the tokens multiply but a round does not pay (request_ms x (tokens - 1)); request_ms per batch size over
+    the cells of `like` (default: `spec`)."""
+    h = request_ms_by_batch_size(spec if like is None else like)
+    tokens = tokens_per_round(spec)
+    return ms_per_token(spec) * tokens - spec["batch_size"].map(h).fillna(0.0) * (tokens - 1.0)
+
+
 def tokens_per_round(cells: pd.DataFrame) -> pd.Series:
     """Output tokens per request and verify round of speculative cells: min(acceptance_length, ICL / TPOT)."""
     tokens = cells["acceptance_length"]
@@ -418,13 +501,13 @@ def _line_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float, float,
     return float(coef[0]), float(coef[1]), float(se_a), float(se_b), float(np.sqrt(np.mean(resid**2)))
 
 
-def _fit_acceptance(spec: pd.DataFrame) -> AcceptanceProfile:
+def _fit_acceptance(spec: pd.DataFrame, trend: float | None = None) -> AcceptanceProfile:
     """Pool per-position survival S_i = P(draft i accepted) over cells with g >= i (it does not depend on g
     for chain drafting, nor on batch size for lossless verification), then a_i = S_i / S_{i-1}. Engines
     count accept_pos_i over drafting requests; times the drafted share it is over every request-round."""
     pos_cols = sorted((int(m.group(1)), c) for c in spec.columns if (m := _POS_COLUMN.match(c)))
     share = drafted_share(spec)
-    survival, survival_se = [], []
+    survival, survival_se, mean_g = [], [], []
     for i, col in pos_cols:
         rows = spec["num_speculative_tokens"] >= i
         values = (spec.loc[rows, col] * share[rows]).dropna()
@@ -432,11 +515,16 @@ def _fit_acceptance(spec: pd.DataFrame) -> AcceptanceProfile:
             break
         survival.append(float(values.mean()))
         survival_se.append(float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else math.nan)
+        mean_g.append(float(spec.loc[values.index, "num_speculative_tokens"].mean()))
     if survival:
-        s = np.clip(np.asarray(survival), 0.0, 1.0)
+        if trend is None:  # else given: fitted over more cells than these
+            trend = _survival_trend(spec, pos_cols[: len(survival)], share, survival)
+        ref = float(spec.loc[spec["num_speculative_tokens"] >= 1, "num_speculative_tokens"].mean()) if trend else 0.0
+        # each pooled S_i holds at the mean g of its cells; move it to the common reference g
+        s = np.clip(np.asarray(survival) / (1.0 + trend * (np.asarray(mean_g) - ref)), 0.0, 1.0)
         prev = np.concatenate([[1.0], s[:-1]])
         rates = np.divide(s, prev, out=np.zeros_like(s), where=prev > 0)
-        return AcceptanceProfile(tuple(float(r) for r in np.clip(rates, 0.0, 1.0)), "per_position", tuple(survival_se))
+        return AcceptanceProfile(tuple(float(r) for r in np.clip(rates, 0.0, 1.0)), "per_position", tuple(survival_se), trend, ref)
     measured = spec.dropna(subset=["acceptance_length"])
     alphas = [
         _constant_alpha((length - 1.0) * s, int(g))
@@ -445,6 +533,27 @@ def _fit_acceptance(spec: pd.DataFrame) -> AcceptanceProfile:
     if not alphas:
         raise SpectuneError("cells: speculative cells carry neither accept_pos_* nor acceptance_length; re-run the sweep with a server that reports acceptance")
     return AcceptanceProfile((float(np.mean(alphas)),), "constant")
+
+
+MIN_STEPS_FOR_TREND = 3  # step counts that must have measured a position for its survival's trend in g
+
+
+def _survival_trend(spec: pd.DataFrame, pos_cols: list[tuple[int, str]], share: pd.Series, pooled: list[float]) -> float:
+    """AcceptanceProfile.trend: the least-squares slope in g of every cell's S_i relative to the pooled S_i, over the
+    positions measured at MIN_STEPS_FOR_TREND or more step counts; 0 where none was."""
+    x, y = [], []
+    for (i, col), s_i in zip(pos_cols, pooled):
+        rows = spec[spec["num_speculative_tokens"] >= i]
+        values = (rows[col] * share[rows.index]).dropna()
+        g = rows.loc[values.index, "num_speculative_tokens"].to_numpy(float)
+        if len(np.unique(g)) < MIN_STEPS_FOR_TREND or s_i <= 0:
+            continue
+        x.append(g - g.mean())
+        y.append(values.to_numpy(float) / s_i - 1.0)
+    if not x:
+        return 0.0
+    x_all, y_all = np.concatenate(x), np.concatenate(y)
+    return float(x_all @ y_all / (x_all @ x_all)) if x_all @ x_all > 0 else 0.0
 
 
 def _constant_alpha(mean_accepted: float, g: int) -> float:
@@ -476,12 +585,13 @@ def recommend(fit: CostFit, objective: str = "throughput") -> pd.DataFrame:
         raise SpectuneError(f"--objective: {objective!r} is not one of throughput, latency")
     steps = np.arange(fit.max_steps + 1)
     rows = []
-    for workload, profile in sorted(fit.acceptance.items()):
-        tokens = np.array([profile.expected_tokens(int(g)) for g in steps])  # [G]
-        low, high = np.array([profile.expected_tokens_interval(int(g)) for g in steps]).T  # [G] each
+    for workload in sorted(fit.acceptance):
         for bs in fit.cost.batch_sizes:
-            t = fit.cost.t_round(bs, steps)  # [G] ms
-            tpot = t / tokens
+            profile = fit.profile(workload, bs)
+            tokens = np.array([profile.expected_tokens(int(g)) for g in steps])  # [G]
+            low, high = np.array([profile.expected_tokens_interval(int(g)) for g in steps]).T  # [G] each
+            tpot = fit.cost.ms_per_token(bs, steps, tokens)  # [G] ms
+            tpot_low, tpot_high = fit.cost.ms_per_token(bs, steps, high), fit.cost.ms_per_token(bs, steps, low)  # [G] each
             tps = bs * 1000.0 / tpot
             best = int(np.argmax(tps) if objective == "throughput" else np.argmin(tpot))
             spec_best = 1 + int(np.argmin(tpot[1:]))
@@ -494,13 +604,13 @@ def recommend(fit: CostFit, objective: str = "throughput") -> pd.DataFrame:
                     "predicted_tps": float(tps[best]),
                     "target_tpot_ms": float(tpot[0]),
                     "speedup": float(tpot[0] / tpot[best]),
-                    # speedup scales with tokens per round: its 95% interval from the acceptance's
-                    "speedup_low": float(tpot[0] / tpot[best] * low[best] / tokens[best]),
-                    "speedup_high": float(tpot[0] / tpot[best] * high[best] / tokens[best]),
+                    # the 95% interval from the acceptance's (tokens per round at the ends of its interval)
+                    "speedup_low": float(tpot[0] / tpot_high[best]),
+                    "speedup_high": float(tpot[0] / tpot_low[best]),
                     "best_spec_g": spec_best,
                     "best_spec_speedup": float(tpot[0] / tpot[spec_best]),
-                    "best_spec_speedup_low": float(tpot[0] / tpot[spec_best] * low[spec_best] / tokens[spec_best]),
-                    "best_spec_speedup_high": float(tpot[0] / tpot[spec_best] * high[spec_best] / tokens[spec_best]),
+                    "best_spec_speedup_low": float(tpot[0] / tpot_high[spec_best]),
+                    "best_spec_speedup_high": float(tpot[0] / tpot_low[spec_best]),
                 }
             )
     return pd.DataFrame(rows)
@@ -535,7 +645,7 @@ def prediction_vs_measurement(fit: CostFit, cells: pd.DataFrame) -> pd.DataFrame
     for row in usable.itertuples():
         g = 0 if not row.is_speculative else int(row.num_speculative_tokens)
         t1 = fit.cost.t_round(row.batch_size, 0)
-        predicted = fit.cost.t_round(row.batch_size, g) / fit.profile(row.workload).expected_tokens(g)
+        predicted = fit.cost.ms_per_token(row.batch_size, g, fit.profile(row.workload, row.batch_size).expected_tokens(g))
         measured_base = base.get((row.workload, row.batch_size), math.nan)
         rows.append(
             {
@@ -552,6 +662,24 @@ def prediction_vs_measurement(fit: CostFit, cells: pd.DataFrame) -> pd.DataFrame
             }
         )
     return pd.DataFrame(rows)
+
+
+def server_factors(fit: CostFit, cells: pd.DataFrame) -> pd.Series:
+    """Per speculative server of the fitted engine + method with usable static cells in `cells`: measured ms per token
+    over the fit's, a geometric mean over its cells, shrunk toward 1 by n / (n + 1) for n cells (one cell's own noise
+    is not the server's). A server runs all its batch sizes in one launch, minutes apart from the others on a shared
+    machine, and some step counts run slower than the model's line in g on some engines (vLLM at g = 1): what it
+    measured at some batch sizes says how it runs at the rest."""
+    usable, _ = split_failed(cells)
+    spec = usable[usable["is_speculative"].astype(bool) & usable["adaptive_config"].isna() & (usable["engine"] == fit.engine)
+                  & (usable["method"] == fit.method) & (usable["num_speculative_tokens"] > 0)].dropna(subset=["output_throughput_tps"])
+    if spec.empty:
+        return pd.Series(dtype=float)
+    predicted = [fit.cost.ms_per_token(bs, g, fit.profile(w, bs).expected_tokens(int(g)))
+                 for w, bs, g in zip(spec["workload"], spec["batch_size"], spec["num_speculative_tokens"])]
+    log_ratio = np.log(ms_per_token(spec).to_numpy(float) / np.asarray(predicted))
+    by_server = pd.Series(log_ratio, index=spec.index).groupby(spec["server"]).agg(["mean", "size"])
+    return np.exp(by_server["mean"] * by_server["size"] / (by_server["size"] + 1.0))
 
 
 # --- serving cost: what a request-level replay charges ----------------------------------------------------------

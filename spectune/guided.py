@@ -71,15 +71,17 @@ def predict_unmeasured(cells: pd.DataFrame, grid: pd.DataFrame, measured: set[tu
             fit = fit_sweep(usable, method=method)
         except SpectuneError:
             continue  # nothing measured for it yet
-        profile = fit.pooled
+        workloads = usable["workload"].dropna().unique()
+        workload = str(workloads[0]) if len(workloads) == 1 else None  # one workload: its acceptance per batch size
         for r in group.itertuples():
             if r.batch_size not in base.index:
                 continue
             g = int(r.g)
-            t = float(base[r.batch_size]) + fit.cost.t_round(r.batch_size, g) - fit.cost.t_round(r.batch_size, 0)
+            profile = fit.profile(workload, r.batch_size)
             tokens = profile.expected_tokens(g)
             high_tokens = profile.expected_tokens_interval(g)[1]
-            tps = 1000.0 * r.batch_size * tokens / t
+            ms = fit.cost.ms_per_token(r.batch_size, g, tokens) + (float(base[r.batch_size]) - fit.cost.t_round(r.batch_size, 0)) / tokens
+            tps = 1000.0 * r.batch_size / ms
             rows.append({"server": r.server, "batch_size": int(r.batch_size), "predicted_tps": tps,
                          "predicted_tps_high": tps * high_tokens / tokens * (1.0 + MODEL_MARGIN)})
     return pd.DataFrame(rows, columns=["server", "batch_size", "predicted_tps", "predicted_tps_high"])

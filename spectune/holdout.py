@@ -5,8 +5,11 @@ Two ways to hold cells out, per engine + method:
 - leave one batch size out: the fit sees target-only at every batch size (a guided sweep always measures it) but no
   speculative cell at the held-out one, whose draft terms then come from the neighbouring batch sizes.
 
-A cell here is one (server, batch size), its measured figures the mean over repeats. Three figures are predicted:
-- TPOT: the fit's ms per token (1000 x batch / tokens/s), times the measured TPOT / ms-per-token ratio of the fit's
+A cell here is one (server, batch size), its measured figures the mean over repeats. Three figures are predicted from
+the fit's ms per token (RoundCost.ms_per_token, anchored on target-only's measured ms per token at that batch size,
+times how the cell's server ran at the batch sizes the fit saw, costmodel.server_factors: none when its step count is
+held out):
+- TPOT: ms per token times the measured TPOT / ms-per-token ratio of the fit's
   own speculative cells at that batch size (the share of a token's time that is decode, not others' prefills);
 - output throughput: 1000 x batch size / predicted ms per token;
 - speedup over target-only: target-only's measured ms per token / predicted ms per token.
@@ -17,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from spectune.costmodel import CostFit, fit_sweep, ms_per_token, split_failed
+from spectune.costmodel import CostFit, fit_sweep, ms_per_token, server_factors, split_failed
 from spectune.errors import SpectuneError
 
 METRICS = ("tpot", "throughput", "speedup")
@@ -95,6 +98,7 @@ def _predict(fit: CostFit, train: pd.DataFrame, usable: pd.DataFrame, held: pd.D
     base = target.assign(ms=ms_per_token(target)).groupby(["workload", "batch_size"])["ms"].mean()
     spec_train = train[train["is_speculative"].astype(bool) & (train["engine"] == fit.engine) & (train["method"] == fit.method)]
     tpot_share = _tpot_share(spec_train)
+    factors = server_factors(fit, train)  # what the held-out cell's server measured at other batch sizes, if any
     measured = held.assign(ms=ms_per_token(held)).groupby(["workload", "server", "batch_size", "num_speculative_tokens"])[
         ["ms", "output_throughput_tps", "tpot_ms_mean"]].mean()
     rows = []
@@ -102,8 +106,8 @@ def _predict(fit: CostFit, train: pd.DataFrame, usable: pd.DataFrame, held: pd.D
         if (workload, bs) not in base.index:
             continue
         t0 = float(base[(workload, bs)])  # target-only measured here; the fit's draft terms are interpolated if it never saw bs
-        t = t0 + fit.cost.t_round(bs, g) - fit.cost.t_round(bs, 0)
-        ms = t / fit.profile(workload).expected_tokens(int(g))
+        tokens = fit.profile(workload, bs).expected_tokens(int(g))
+        ms = (fit.cost.ms_per_token(bs, g, tokens) + (t0 - fit.cost.t_round(bs, 0)) / tokens) * float(factors.get(server, 1.0))
         predicted = {"tpot": ms * float(np.interp(bs, tpot_share.index, tpot_share.to_numpy())),
                      "throughput": 1000.0 * bs / ms, "speedup": t0 / ms}
         actual = {"tpot": m["tpot_ms_mean"], "throughput": m["output_throughput_tps"], "speedup": t0 / m["ms"]}

@@ -53,7 +53,7 @@ def synthetic_cells(
                 for repeat in range(repeats):
                     tokens = profile.expected_tokens(g) * (1 + noise * rng.standard_normal()) if g else 1.0
                     tpot = cost.t_round(bs, g) / profile.expected_tokens(g) * (1 + noise * rng.standard_normal())
-                    survival = profile.survival(g) if g else np.zeros(0)
+                    survival = profile.survival_at(g) if g else np.zeros(0)
                     row = {
                         "server": server,
                         "engine": "embedded",

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
-from spectune.costmodel import AcceptanceProfile, RoundCost, fit_sweep, recommend
+from spectune.costmodel import AcceptanceProfile, RoundCost, fit_sweep, recommend, server_factors
 from spectune.holdout import holdout_lines, holdout_predictions, holdout_report, holdout_summary
 from synthetic_sweep import SYNTHETIC_PROFILES, synthetic_cells
 
@@ -78,3 +79,82 @@ def test_each_workload_is_predicted_with_its_own_acceptance():
     predictions = holdout_predictions(cells)
     assert set(predictions["workload"]) == {"quote", "random"}
     assert predictions["throughput_abs_pct_error"].mean() < 5.0
+
+
+def _paying_per_request(cells, cost: RoundCost, request_ms: dict[int, float], tokens_per_request: int = 32):
+    """SYNTHETIC: the cells as a closed loop measures them when each slot pays request_ms[bs] per output token once per
+    request (its wait for a prefill, the client's turnaround) and rounds cost cost.t_round(bs, g) - request_ms[bs]:
+    ms per token = (t_round - h) / E + h, TTFT + (N - 1) TPOT = N x ms per token."""
+    cells = cells.copy()
+    h = cells["batch_size"].map(request_ms).to_numpy(float)
+    tokens = cells["acceptance_length"].where(cells["is_speculative"], 1.0).to_numpy(float)
+    t = np.array([cost.t_round(b, g) for b, g in zip(cells["batch_size"], cells["num_speculative_tokens"])])
+    ms = (t - h) / tokens + h
+    n = tokens_per_request
+    cells["output_throughput_tps"] = 1000.0 * cells["batch_size"] / ms
+    cells["output_tokens_total"] = cells["num_requests"] * n
+    cells["tpot_ms_mean"] = (ms - h) * n / (n - 1)
+    cells["itl_ms_mean"] = cells["tpot_ms_mean"] * tokens
+    return cells
+
+
+def test_a_per_request_cost_is_paid_once_per_token_not_once_per_round():
+    request_ms = {1: 0.8, 2: 1.0, 4: 1.4, 8: 2.2, 16: 3.8}  # a third of LINEAR's target_ms
+    cells = _paying_per_request(synthetic_cells(cost=LINEAR, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0),
+                                LINEAR, request_ms)
+    fit = fit_sweep(cells)
+    assert fit.cost.request_ms == pytest.approx(tuple(request_ms.values()))
+    held = holdout_predictions(cells)
+    by_g = held[held["holdout"] == "step_count"]
+    assert by_g["throughput_abs_pct_error"].max() < 1.0, by_g.sort_values("throughput_abs_pct_error").tail()
+    # Without the cells' TTFT/TPOT split (no output token counts) the term is unknown and every ms counts per round:
+    # the line in g through the other step counts misses g = 1, where tokens per round are fewest.
+    blind = holdout_predictions(cells.drop(columns="output_tokens_total"))
+    blind = blind[(blind["holdout"] == "step_count") & (blind["g"] == 1)]
+    assert blind["throughput_abs_pct_error"].mean() > 3.0
+
+
+def test_acceptance_that_falls_with_the_step_count_is_predicted_at_a_held_out_one():
+    # SYNTHETIC: a round at step count g accepts each position with S_i x (1 - 0.02 (g - 4)), as correlated acceptance
+    # makes it (rounds at large g start after a rejection more often)
+    falling = AcceptanceProfile(SYNTHETIC_PROFILES["quote"].rates, trend=-0.02, trend_ref_g=4.0)
+    cells = synthetic_cells(cost=LINEAR, profiles={"quote": falling}, repeats=1, noise=0.0)
+    fit = fit_sweep(cells)
+    assert fit.pooled.trend == pytest.approx(-0.02, rel=0.1)
+    for g in (1, 4, 8):
+        assert fit.pooled.expected_tokens(g) == pytest.approx(falling.expected_tokens(g), rel=0.01)
+    held = holdout_predictions(cells)
+    by_g = held[held["holdout"] == "step_count"]
+    assert by_g["throughput_abs_pct_error"].max() < 2.0, by_g.sort_values("throughput_abs_pct_error").tail()
+    # acceptance constant in g fits no trend
+    assert fit_sweep(synthetic_cells(cost=LINEAR, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)).pooled.trend == pytest.approx(0.0, abs=1e-9)
+
+
+def test_each_batch_size_is_predicted_with_the_acceptance_of_its_own_traffic():
+    # SYNTHETIC: batch size 16 sends other prompts, which draft worse
+    cells = synthetic_cells(cost=LINEAR, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
+    harder = AcceptanceProfile(tuple(0.8 * r for r in SYNTHETIC_PROFILES["quote"].rates))
+    at16 = synthetic_cells(cost=LINEAR, profiles={"quote": harder}, repeats=1, noise=0.0)
+    cells = pd.concat([cells[cells["batch_size"] != 16], at16[at16["batch_size"] == 16]], ignore_index=True)
+    fit = fit_sweep(cells)
+    assert fit.profile("quote", 16).expected_tokens(4) == pytest.approx(harder.expected_tokens(4), rel=0.01)
+    assert fit.profile("quote", 4).expected_tokens(4) == pytest.approx(SYNTHETIC_PROFILES["quote"].expected_tokens(4), rel=0.01)
+    assert fit.profile("quote").expected_tokens(4) < fit.profile("quote", 4).expected_tokens(4)  # pooled over both
+    held = holdout_predictions(cells)
+    assert held[held["holdout"] == "step_count"]["throughput_abs_pct_error"].max() < 1.0
+
+
+def test_a_server_that_ran_slow_at_every_batch_size_is_predicted_slow_where_held_out():
+    # SYNTHETIC: the g = 3 server ran 20% slower at every batch size (launched while the machine was slower)
+    cells = synthetic_cells(cost=LINEAR, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
+    slow = cells["server"] == "draft-g3-quote"
+    cells.loc[slow, "output_throughput_tps"] /= 1.2
+    cells.loc[slow, "tpot_ms_mean"] *= 1.2
+    fit = fit_sweep(cells)
+    factors = server_factors(fit, cells)
+    assert factors["draft-g3-quote"] > 1.1 and factors.drop("draft-g3-quote").between(0.95, 1.05).all()
+    held = holdout_predictions(cells)
+    by_bs = held[(held["holdout"] == "batch_size") & (held["server"] == "draft-g3-quote")]
+    assert by_bs["throughput_abs_pct_error"].max() < 5.0  # 20% without its factor
+    by_g = held[(held["holdout"] == "step_count") & (held["server"] == "draft-g3-quote")]
+    assert by_g["throughput_abs_pct_error"].min() > 10.0  # a held-out server has no factor: its slowness is unknowable
