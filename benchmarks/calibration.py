@@ -70,6 +70,9 @@ def main() -> None:
     runs = [load_run(p) for p in passes if int(p.name.split("-")[1]) not in disturbed]
     print(f"{len(passes)} passes measured; not counted (disturbed): {disturbed or 'none'}")
     print(table.pivot_table(index="pass", columns="server", values="speed_index").round(2).to_string())
+    if not runs:
+        raise SystemExit(f"{out}: every measured pass was disturbed, nothing to compare; measure more on a quieter "
+                         f"machine: --measure --passes {len(passes) + 3}")
     tables = {}
     for label, calibrated in (("before", False), ("after", True)):
         tables[label] = replay_vs_measured(fit_run, runs, calibrated=calibrated, method=method, draws=args.draws)
