@@ -6,7 +6,8 @@ real CLI.
 
 write      in the middle of writing the first cell file: its data on disk, before the rename that commits it.
 finalizer  inside a finalizer the sweep's main thread runs (asyncio's _SelectorTransport.__del__, which sampling
-           the main thread shows it does, or aiohttp's ClientResponse.__del__ under uvloop), once a cell is finished: Python prints a KeyboardInterrupt raised there
+           the main thread shows it does, aiohttp's ClientResponse.__del__ under uvloop, or the finalizer of
+           spectune.rawhttp's connections for plain http://), once a cell is finished: Python prints a KeyboardInterrupt raised there
            as "Exception ignored" and drops it, which is how a Ctrl-C used to be lost (the sweep ran to the end).
 """
 
@@ -41,19 +42,23 @@ def _inject_in_write() -> None:
 def _inject_in_finalizer(out: Path) -> None:
     # asyncio's transport finalizer on asyncio's loop; under uvloop (the measurement loop where it is installed)
     # transports are uvloop's, and aiohttp's response finalizer, run after every request, is the one hit.
+    # For plain http:// the client is spectune.rawhttp: its connection protocols are freed when a cell's pool closes.
     from aiohttp.client_reqrep import ClientResponse
 
-    for cls in (asyncio.selector_events._SelectorTransport, ClientResponse):
+    from spectune.rawhttp import _Connection
+
+    for cls in (asyncio.selector_events._SelectorTransport, ClientResponse, _Connection):
         _wrap_del(cls, out)
 
 
 def _wrap_del(cls: type, out: Path) -> None:
-    real_del = cls.__del__
+    real_del = getattr(cls, "__del__", None)
 
     def __del__(self, *args):
         if any((out / "cells").glob("*.json")):
             _once(f"{cls.__name__}.__del__")
-        real_del(self, *args)
+        if real_del is not None:
+            real_del(self, *args)
 
     cls.__del__ = __del__
 

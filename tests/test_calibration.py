@@ -136,7 +136,9 @@ def test_calibration_terms_are_fitted_from_the_round_logs(runs):
     # target_ms at batch 1 is the median wall of the clean steps that ran no proposer
     plain = clean[(clean["batch_size"] == 1) & (clean["num_steps"] == 0)]["wall_ms"]
     assert cal.cost.decode.target_ms[cal.cost.decode.batch_sizes.index(1)] == pytest.approx(plain.median())
-    assert min(cal.cost.decode.per_step_ms) >= 0 and cal.cost.decode.draft_fixed_ms[0] > 0  # the proposer has a cost
+    # drafting has a cost: a round at the largest measured g costs more than a plain decode (the intercept alone,
+    # draft_fixed_ms, is a fitted line's and can come out slightly negative on a busy machine)
+    assert min(cal.cost.decode.per_step_ms) >= 0 and cal.cost.decode.t_round(1, 3) > cal.cost.decode.target_ms[0]
     # the step effects are the least-squares coefficients over every decode step, one fixed effect per
     # (server, batch size, width) with enough steps
     effects = fit_step_effects(steps)
