@@ -68,19 +68,21 @@ def eagle_step_ms(head: EagleHead, batch: int, repeats: int) -> float:
     return statistics.median(times[3:])
 
 
+def eagle_chain(eagle: EagleHead, feature: torch.Tensor, token: torch.Tensor, k: int):
+    """A case drafting k greedy tokens with the EAGLE head (k sequential steps, as its proposer at temperature 0)."""
+    def run() -> None:
+        f, t = feature, token
+        for _ in range(k):
+            f, logits = eagle.step(f, t)
+            t = eagle.vocab[logits.argmax(-1)]
+    return run
+
+
 def drafting_ms(eagle: EagleHead, dflash: dict[str, DFlashHead], batches: tuple[int, ...], ks: range, repeats: int) -> dict[tuple[str, int, int], float]:
     """Median wall ms to draft K tokens per row as the proposers do (logits, argmax, draft-vocabulary ids):
     (drafter, batch, K) -> ms. The EAGLE head runs K steps, each dflash head one pass; cases run round-robin."""
     gen = torch.Generator().manual_seed(0)
     d = eagle.config.hidden_size
-
-    def eagle_case(feature: torch.Tensor, token: torch.Tensor, k: int):
-        def run() -> None:
-            f, t = feature, token
-            for _ in range(k):
-                f, logits = eagle.step(f, t)
-                t = eagle.vocab[logits.argmax(-1)]
-        return run
 
     def dflash_case(head: DFlashHead, feature: torch.Tensor, recent: torch.Tensor, k: int):
         return lambda: head.vocab[head.draft(feature, recent, k).argmax(-1)]
@@ -89,7 +91,7 @@ def drafting_ms(eagle: EagleHead, dflash: dict[str, DFlashHead], batches: tuple[
     for batch in batches:
         feature = torch.nn.functional.rms_norm(torch.randn(batch, d, generator=gen), (d,))
         for k in ks:
-            cases[("eagle", batch, k)] = eagle_case(feature, torch.randint(0, eagle.vocab_size, (batch,), generator=gen), k)
+            cases[("eagle", batch, k)] = eagle_chain(eagle, feature, torch.randint(0, eagle.vocab_size, (batch,), generator=gen), k)
             for name, head in dflash.items():
                 recent = torch.randint(0, head.vocab_size, (batch, head.config.context_tokens), generator=gen)
                 cases[(name, batch, k)] = dflash_case(head, feature, recent, k)

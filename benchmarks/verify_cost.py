@@ -34,6 +34,8 @@ from spectune.engine.eagle import load_eagle  # noqa: E402
 from spectune.engine.model import load_model  # noqa: E402
 from spectune.engine.speculative import greedy_verify  # noqa: E402
 
+from engine_speed import eagle_chain  # noqa: E402  (benchmarks/, this script's folder)
+
 CONTEXT = 128  # tokens already in each row's KV cache (the code workload's prompts are ~110 tokens)
 STEPS = range(0, 7)
 
@@ -65,14 +67,7 @@ def main() -> None:
 
     def eagle_draft(batch: int, g: int) -> Callable[[], None]:
         feature = torch.nn.functional.rms_norm(torch.randn(batch, d, generator=gen), (d,))
-        token = torch.randint(0, eagle.vocab_size, (batch,), generator=gen)
-
-        def run() -> None:
-            f, t = feature, token
-            for _ in range(g):
-                f, logits = eagle.step(f, t)
-                t = eagle.vocab[logits.argmax(-1)]
-        return run
+        return eagle_chain(eagle, feature, torch.randint(0, eagle.vocab_size, (batch,), generator=gen), g)
 
     def dflash_draft(batch: int, g: int) -> Callable[[], None]:
         feature = torch.nn.functional.rms_norm(torch.randn(batch, d, generator=gen), (d,))

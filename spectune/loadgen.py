@@ -464,15 +464,8 @@ class _Sender:
     def _raw_error(self, why: str, events: rawhttp.Events) -> str | None:
         """Why a stream that did not end with [DONE] failed: a malformed or error event before its end, else the end."""
         for payload in events.payloads:
-            if payload[-1:] != b"}" or payload[:1] != b"{":
-                return f"malformed chunk: {payload[:100].decode('utf-8', 'replace')!r}"
-            if b'"error"' in payload:
-                try:
-                    chunk = _loads(payload)
-                except ValueError:
-                    return f"malformed chunk: {payload[:100].decode('utf-8', 'replace')!r}"
-                if isinstance(chunk, dict) and "error" in chunk:
-                    return f"server error in stream: {json.dumps(chunk['error'])[:200]}"
+            if (error := _payload_error(payload)) is not None:
+                return error
         n = len(events.payloads)
         if why == "stall":
             return f"stall: no chunk for {self.stall_timeout_s:g} s after {n} chunks"
@@ -527,19 +520,26 @@ async def _read_events(content: aiohttp.StreamReader, dog: _Watchdog, chunks: _C
             if not line.startswith(b"data:"):
                 continue  # blank, comment and other SSE field lines
             payload = line[5:].strip()
-            if payload[-1:] != b"}" or payload[:1] != b"{":
-                if payload == b"[DONE]":
-                    return None
-                return f"malformed chunk: {payload[:100].decode('utf-8', 'replace')!r}"
-            if b'"error"' in payload:  # a cheap test first: JSON escapes every quote inside a string
-                try:
-                    chunk = _loads(payload)
-                except ValueError:
-                    return f"malformed chunk: {payload[:100].decode('utf-8', 'replace')!r}"
-                if isinstance(chunk, dict) and "error" in chunk:
-                    return f"server error in stream: {json.dumps(chunk['error'])[:200]}"
+            if payload == b"[DONE]":
+                return None
+            if (error := _payload_error(payload)) is not None:
+                return error
             stamps.append(now_ns)
             payloads.append(payload)
+
+
+def _payload_error(payload: bytes) -> str | None:
+    """Why one SSE data payload ends its request: not a JSON object ({...}), or an object with an "error" key."""
+    if payload[-1:] != b"}" or payload[:1] != b"{":
+        return f"malformed chunk: {payload[:100].decode('utf-8', 'replace')!r}"
+    if b'"error"' in payload:  # a cheap test first: JSON escapes every quote inside a string
+        try:
+            chunk = _loads(payload)
+        except ValueError:
+            return f"malformed chunk: {payload[:100].decode('utf-8', 'replace')!r}"
+        if isinstance(chunk, dict) and "error" in chunk:
+            return f"server error in stream: {json.dumps(chunk['error'])[:200]}"
+    return None
 
 
 def _fill(record: RequestRecord, chunks: _Chunks | rawhttp.RawResponse, tokenizer: Tokenizer | None) -> None:
