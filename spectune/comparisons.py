@@ -198,7 +198,7 @@ def proxy_rounds(bench: Bench, tuned: AdaptiveConfig):
     parts = []
     if bench.replay is None:
         for k, t in enumerate(bench.traces):
-            parts.append(rounds_from_accepted(t.batch_sizes, t.accepted, None, bench.fit.cost, k, bench.horizon, latency))
+            parts.append(rounds_from_accepted(t.batch_sizes, t.took(), None, bench.fit.cost, k, bench.horizon, latency))
     else:
         for k, result in enumerate(bench.run(bench.adaptive(tuned)).values()):
             steps = result.steps[result.steps["kind"] == "decode"]

@@ -186,6 +186,16 @@ class RoundCost:
         t = (np.asarray(self.t_round(batch_size, steps)) - request) / np.asarray(tokens, dtype=float) + request
         return float(t) if np.ndim(t) == 0 else t
 
+    def paid_ms(self, batch_size, round_ms, tokens):
+        """A round's ms in a trace (t_round or t_speculative's `round_ms`) when its batch gains `tokens`: the per-request
+        part (request_ms) paid per token gained, as ms_per_token does, not once per round. Scalars or arrays."""
+        if not self.request_ms:
+            return round_ms
+        bs = np.asarray(batch_size, dtype=float)
+        request = _extrapolate(bs, self.batch_sizes, self.request_ms)
+        t = np.asarray(round_ms) - request + request * np.asarray(tokens, dtype=float) / bs
+        return float(t) if np.ndim(t) == 0 else t
+
     def t_speculative(self, batch_size, width):
         """ms for a round that ran the proposer and verified `width` drafts per request (0 when none offered any:
         the proposer's fixed cost is still paid)."""

@@ -75,18 +75,21 @@ class Rounds:
 def rounds_from_accepted(batch_sizes: np.ndarray, accepted: np.ndarray, any_drafted: np.ndarray | None, cost, run: int,
                          horizon: int, latency: bool = False) -> Rounds:
     """One run's rounds from per-round accepted drafts at the horizon ([R, B], zero-padded past each round's batch
-    size) and whether any request of the round drafted at all ([R] bool, None: all did), on a RoundCost: a round
-    where none drafted runs the proposer and verifies no drafts (cost.t_speculative at width 0)."""
+    size; or [R, B, horizon + 1], accepted drafts at each g: spectune.simulate.Trace.took) and whether any request
+    of the round drafted at all ([R] bool, None: all did), on a RoundCost: a round where none drafted runs the
+    proposer and verifies no drafts (cost.t_speculative at width 0)."""
     from spectune.simulate import WINDOW_ROUNDS
 
     g = np.arange(horizon + 1)
     width_mask = np.arange(accepted.shape[1])[None, :] < batch_sizes[:, None]  # [R, B]
-    took = np.minimum(accepted[:, :, None], g[None, None, :]) * width_mask[:, :, None]  # [R, B, G]
+    took = accepted if accepted.ndim == 3 else np.minimum(accepted[:, :, None], g[None, None, :])
+    took = took * width_mask[:, :, None]  # [R, B, G]
     tokens = batch_sizes[:, None] + took.sum(axis=1)  # [R, G]
     obs = took.sum(axis=1) / batch_sizes[:, None]
     any_drafted = np.ones(len(batch_sizes), dtype=bool) if any_drafted is None else any_drafted
     width = np.where(any_drafted[:, None], g[None, :], 0)
     ms = np.where(g[None, :] == 0, cost.t_round(batch_sizes[:, None], 0 * g[None, :]), cost.t_speculative(batch_sizes[:, None], width))
+    ms = cost.paid_ms(batch_sizes[:, None], ms, tokens)
     if latency:
         ms = ms * batch_sizes[:, None]
     n = len(batch_sizes)

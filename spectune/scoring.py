@@ -3,7 +3,8 @@ on every worker, and the speedup of a step policy over target-only on it.
 
 Objectives "throughput" and "latency" score decode rounds (spectune.simulate.simulate): speedup over
 target-only, the geometric mean over the traces of tokens/s ratios or of mean-TPOT ratios. Traces: the round
-log of the fitted method's largest static step count (embedded engine), a synthetic phase-shifting trace
+log of the fitted method's largest static step count (embedded engine), its rounds at a smaller g given the
+acceptance measured at g by the other static servers' round logs (simulate.lift_trace), a synthetic phase-shifting trace
 (acceptance alternating between the best and worst measured workload, or the best and worst stretches of the
 round log, while the batch size steps through the measured ones) and, without a round log, a synthetic
 closed-loop trace per workload.
@@ -21,8 +22,9 @@ Slots route unpadded, as SGLang 0.5.23 does unless launched with --cuda-graph-bs
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -52,9 +54,12 @@ from spectune.simulate import (
     Trace,
     Traffic,
     draw_acceptance,
+    lift_trace,
     phase_shifting_trace,
+    request_keys,
     simulate,
     simulate_requests,
+    survival_by_steps,
     synthesize_trace,
     trace_from_round_log,
     window_profiles,
@@ -140,7 +145,7 @@ def make_bench(run: Run, objective: str, seed: int, method: str | None = None, t
         replay = make_replay(run, fit, horizon, seed, traffic, max_concurrency)
         return Bench(fit=fit, traces=(), replay=replay, baselines=replay.run(StaticPolicy(0)), objective=objective, space=space,
                      horizon=horizon)
-    traces = _traces(fit, run.cells, run.round_logs, horizon, seed)
+    traces = _traces(run, fit, horizon, seed)
     baselines = {t.name: simulate(t, StaticPolicy(0), fit.cost) for t in traces}
     return Bench(fit=fit, traces=tuple(traces), replay=None, baselines=baselines, objective=objective, space=space, horizon=horizon)
 
@@ -262,6 +267,36 @@ def phase_acceptance(run: Run, fit: CostFit) -> dict[str, PositionalAcceptance]:
     return profiles
 
 
+def request_phases(run: Run, server: str) -> dict[int, str]:
+    """Request key (simulate.request_keys) -> workload phase (request tag) for one server's round log. The log does not name the
+    requests, so each is matched by its accepted drafts per round to a streamed request of that server (one chunk
+    per round: chunk tokens - 1, the prefill's chunk and the last, possibly cut, left out); a sequence that several
+    requests streamed takes the phase most of them had. Unmatched keys are left out."""
+    from collections import Counter
+
+    from spectune.workload import load_requests
+
+    try:
+        tags = {_prompt_key(r): r.tag for r in load_requests(run.manifest["plan"]["workload"])}
+    except (KeyError, SpectuneError):
+        return {}
+    if not {"prompt", "chunk_tokens", "cell"} <= set(run.requests.columns):
+        return {}
+    cells = run.cells.loc[run.cells["server"] == server, "cell"]
+    rows = run.requests[run.requests["cell"].isin(cells) & run.requests["error"].isna()]
+    by_sequence: dict[tuple[int, ...], Counter] = {}
+    for prompt, chunks in zip(rows["prompt"], rows["chunk_tokens"]):
+        if (tag := tags.get(prompt, "")) and chunks is not None and len(chunks) >= 2:
+            by_sequence.setdefault(tuple(int(c) - 1 for c in chunks[1:-1]), Counter())[tag] += 1
+    rows = [json.loads(line) for line in Path(run.round_logs[server]).read_text().splitlines()]
+    rounds: dict[int, list[int]] = {}
+    for row, keys in zip(rows, request_keys(rows)):
+        if not row.get("prefill") and row.get("accepted"):
+            for key, a in zip(keys, row["accepted"]):
+                rounds.setdefault(key, []).append(int(a))
+    return {i: by_sequence[key].most_common(1)[0][0] for i, seq in rounds.items() if (key := tuple(seq[:-1])) in by_sequence}
+
+
 def serving_cost(run: Run, fit: CostFit) -> ServingCost:
     """Step costs from the round logs of the fitted method's static servers and the target-only servers; request
     overhead from target-only requests at the smallest batch size (the engine idle when each arrives)."""
@@ -280,18 +315,28 @@ def serving_cost(run: Run, fit: CostFit) -> ServingCost:
     return fit_serving_cost(pd.concat(method_logs), pd.concat(target_logs), fit.cost.batch_sizes, first)
 
 
-def _traces(fit: CostFit, cells: pd.DataFrame, round_logs: dict[str, Path], horizon: int, seed: int) -> list[Trace]:
+def _traces(run: Run, fit: CostFit, horizon: int, seed: int) -> list[Trace]:
+    cells = run.cells
     family = cells[(cells["engine"] == fit.engine) & (cells["method"] == fit.method) & cells["adaptive_config"].isna()]
-    logged = family[family["server"].isin(list(round_logs))].sort_values("num_speculative_tokens")
+    logged = family[family["server"].isin(list(run.round_logs))].sort_values("num_speculative_tokens")
     traces = []
     if not logged.empty:
         server = logged["server"].iloc[-1]
-        traces.append(trace_from_round_log(round_logs[server], max_steps=horizon, acceptance=fit.pooled, seed=seed))
+        max_tokens = run.manifest.get("plan", {}).get("max_tokens")
+        trace = trace_from_round_log(run.round_logs[server], max_steps=horizon, acceptance=fit.pooled, seed=seed, output_tokens=max_tokens)
+        phases = {name: request_phases(run, name) for name in logged["server"].unique()}
+        survival: dict[str, dict[int, np.ndarray]] = {}
+        for name in phases:
+            for label, by_steps in survival_by_steps(run.round_logs[name], phases[name]).items():
+                survival.setdefault(label, {}).update(by_steps)
+        traces.append(lift_trace(trace, survival, seed, phases[server]))
     if len(fit.acceptance) >= 2:
         by_tokens = sorted(fit.acceptance.values(), key=lambda p: p.expected_tokens(horizon))
         high, low = by_tokens[-1], by_tokens[0]
     elif traces:
-        stretches = sorted(window_profiles(traces[0]), key=lambda p: p.expected_tokens(horizon)) or [fit.pooled]
+        # measured at the trace's horizon: moved to smaller g by the fitted trend, as the round log is by lift_trace
+        stretches = [replace(p, trend=fit.pooled.trend, trend_ref_g=horizon) for p in window_profiles(traces[0])]
+        stretches = sorted(stretches, key=lambda p: p.expected_tokens(horizon)) or [fit.pooled]
         quartile = len(stretches) // 4
         high, low = stretches[-1 - quartile], stretches[quartile]
     else:

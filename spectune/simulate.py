@@ -11,13 +11,23 @@ the fitted conditional per-position acceptance (seeded); without a profile they 
 bound). A request that rejected a draft, or whose proposer offered fewer drafts than num_steps
 (n-gram found no longer match), is exact at every horizon.
 
+A round's acceptance also depends on the g it runs at, not only on the text: rounds at a larger g more often start
+right after a rejection, where drafting is harder, and cover easy stretches in fewer rounds (measured for EAGLE:
+S_1 = 0.81 at g = 1, 0.76 at g = 3, 0.72 at g = 7). A trace cut at g < K would give a policy at g the acceptance
+of rounds at K. lift_trace gives it the acceptance measured at g instead (Trace.lifted): where the trace rejects
+a draft, the round at g accepts it with the probability that raises the conditional rate to g's, and goes on from
+there at g's rates (or, where g's rate is lower, drops an acceptance). synthesize_trace draws each g from its
+profile's trend the same way.
+
 Figures conserve work, they do not fix the number of rounds: a policy that yields more tokens per round
 finishes sooner. The trace is cut into windows of WINDOW_ROUNDS consecutive rounds (short next to a phase
 or a batch-size stretch, long enough for a ratio of sums to be a fair rate); a window's work is the
 tokens its rounds yield at the horizon K, a fixed amount the policy produces at its own rate in that
 window (tokens / ms over the window's rounds). tokens/s = total work / total time; mean TPOT = the
 work-weighted mean over windows of sum(batch x round ms) / tokens. Counting rounds instead would charge a
-policy for time spent at small batch sizes whatever it yields there. It has no arrivals, queueing or
+policy for time spent at small batch sizes whatever it yields there. A round costs the cost model's t_round,
+with its per-request part (RoundCost.request_ms: the wait for other requests' prefills, the client's turnaround)
+paid per token gained rather than once per round (RoundCost.paid_ms). It has no arrivals, queueing or
 prefills, so it says nothing of TTFT or e2e: simulate_requests does (its section below).
 """
 
@@ -27,7 +37,7 @@ import heapq
 import json
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -48,10 +58,29 @@ class Trace:
     batch_sizes: np.ndarray  # [R] int
     accepted: np.ndarray  # [R, B] int, 0 beyond batch_sizes[r]
     phases: tuple[str, ...] = ()  # [R] labels, or empty
+    # [R, B, K + 1]: accepted drafts of each request in a round run at g = 0..K (module docstring); None: the trace
+    # cut at g, min(accepted, g)
+    lifted: np.ndarray | None = None
+    # [R, B]: each request-round's request, as request_keys (-1 past each round's batch size or where not logged)
+    request_ids: np.ndarray | None = None
+    # [R, B]: the most drafts that still count, the request's output tokens left at that round of the logged run - 1
+    # (a round past max_tokens yields only what is left); None: no cap
+    cap: np.ndarray | None = None
 
     @property
     def num_rounds(self) -> int:
         return len(self.batch_sizes)
+
+    def took(self) -> np.ndarray:
+        """[R, B, K + 1]: drafts each request accepts, and that count, in a round run at g = 0..K (0 past each round's
+        batch size)."""
+        took = self.lifted if self.lifted is not None else np.minimum(self.accepted[:, :, None], np.arange(self.max_steps + 1)[None, None, :])
+        return took if self.cap is None else np.minimum(took, self.cap[:, :, None])
+
+    def accepted_at(self, steps: np.ndarray) -> np.ndarray:
+        """[R, B]: drafts each request accepts, and that count, in round r run at steps[r]."""
+        took = np.minimum(self.accepted, steps[:, None]) if self.lifted is None else self.lifted[np.arange(self.num_rounds), :, steps]
+        return took if self.cap is None else np.minimum(took, self.cap)
 
 
 def trace_from_rows(name: str, max_steps: int, rows: Sequence[Sequence[int]], phases: Sequence[str] = ()) -> Trace:
@@ -156,7 +185,7 @@ def simulate(trace: Trace, policy: Policy, cost: RoundCost) -> SimResult:
             "build the trace with a larger max_steps"
         )
     tokens = _round_tokens(trace, steps)
-    round_ms = cost.t_round(trace.batch_sizes, steps)
+    round_ms = cost.paid_ms(trace.batch_sizes, cost.t_round(trace.batch_sizes, steps), tokens)
     window = np.arange(trace.num_rounds) // WINDOW_ROUNDS
     win_tokens = np.bincount(window, tokens)
     win_ms = np.bincount(window, round_ms)
@@ -184,8 +213,8 @@ def simulate(trace: Trace, policy: Policy, cost: RoundCost) -> SimResult:
 
 
 def _round_tokens(trace: Trace, steps: np.ndarray) -> np.ndarray:
-    """[R] tokens: per request min(accepted, g) + 1 (the zero padding adds nothing to the min)."""
-    return trace.batch_sizes + np.minimum(trace.accepted, steps[:, None]).sum(axis=1)
+    """[R] tokens: per request the drafts accepted at g + 1 (the zero padding adds nothing)."""
+    return trace.batch_sizes + trace.accepted_at(steps).sum(axis=1)
 
 
 def _choose_steps(trace: Trace, policy: Policy, cost: RoundCost) -> np.ndarray:
@@ -206,18 +235,19 @@ def _adaptive_steps(trace: Trace, policy: AdaptiveConfigPolicy) -> np.ndarray:
     graph_bs = None if policy.cuda_graph_bs is None else list(policy.cuda_graph_bs)
     live = AdaptivePolicy.from_config(policy.config, policy.initial_steps, cuda_graph_bs=graph_bs)
     steps = np.empty(trace.num_rounds, dtype=np.int64)
-    for r, (bs, accepted) in enumerate(zip(trace.batch_sizes.tolist(), trace.accepted)):
+    took = trace.took()
+    for r, bs in enumerate(trace.batch_sizes.tolist()):
         g = live.steps_for_batch(bs)
         steps[r] = g
         # What the server sees: drafts accepted at the step it ran (0 at g = 0), bonus excluded.
-        live.on_verify_complete(np.minimum(accepted[:bs], g).tolist(), bs)
+        live.on_verify_complete(took[r, :bs, g].tolist(), bs)
     return steps
 
 
 def _oracle_steps(trace: Trace, policy: OraclePolicy, cost: RoundCost) -> np.ndarray:
     candidates = np.array(policy.candidate_steps or range(trace.max_steps + 1), dtype=np.int64)  # [G]
     tokens = np.stack([_round_tokens(trace, np.full(trace.num_rounds, g)) for g in candidates], axis=1)  # [R, G]
-    weight = cost.t_round(trace.batch_sizes[:, None], candidates[None, :])  # [R, G] ms
+    weight = cost.paid_ms(trace.batch_sizes[:, None], cost.t_round(trace.batch_sizes[:, None], candidates[None, :]), tokens)  # [R, G] ms
     if policy.objective == "latency":  # a window's TPOT = sum(batch x ms) / tokens
         weight = weight * trace.batch_sizes[:, None]
     choice = np.empty(trace.num_rounds, dtype=np.int64)
@@ -244,39 +274,76 @@ def _best_choices(tokens: np.ndarray, weight: np.ndarray) -> np.ndarray:
 # --- traces -------------------------------------------------------------------------------------------------
 
 
+def request_keys(rows: Sequence[dict]) -> list[list[int]]:
+    """Per round-log row, its requests as keys unique over the whole log: each engine (a sweep restarts it) numbers
+    its requests from 0, so a prefill step of request 0 starts a new engine's ids (as spectune.steplog reads them).
+    -1 where a row names no requests."""
+    engine, keys, out = -1, {}, []
+    for row in rows:
+        ids = row.get("request_ids")
+        if ids is None:
+            out.append([-1] * len(row.get("accepted") or row.get("prompt_tokens") or []))
+            continue
+        if row.get("prefill") and 0 in ids:
+            engine += 1
+        out.append([keys.setdefault((engine, int(i)), len(keys)) for i in ids])
+    return out
+
+
 def trace_from_round_log(
     path: str | Path,
     *,
     max_steps: int | None = None,
     acceptance: AcceptanceProfile | None = None,
     seed: int = 0,
+    output_tokens: int | None = None,
 ) -> Trace:
     """The embedded engine's per-round log as a trace at horizon max_steps (default: the largest logged
-    num_steps); censored requests are continued with `acceptance` (see the module docstring)."""
+    num_steps); censored requests are continued with `acceptance` (see the module docstring). With output_tokens
+    (the sweep's max_tokens), a request's rounds count only the tokens it had left (Trace.cap): the engine logs
+    every accepted draft, also those past the end of the output. Trace.request_ids holds request_keys."""
     path = Path(path)
-    rounds = []
+    rows = []
     with path.open() as f:
         for number, line in enumerate(f, 1):
             try:
-                row = json.loads(line)
-                if row.get("prefill"):  # a prefill step (spectune.costmodel.read_step_log reads those)
-                    continue
-                rounds.append((int(row["num_steps"]), list(row["proposed"]), list(row["accepted"])))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
                 raise SpectuneError(f"{path}:{number}: not a round record ({e}); expected num_steps, proposed, accepted") from None
+    rounds = []
+    for number, (row, keys) in enumerate(zip(rows, request_keys(rows)), 1):
+        if row.get("prefill"):  # a prefill step (spectune.costmodel.read_step_log reads those)
+            continue
+        try:
+            rounds.append((int(row["num_steps"]), list(row["proposed"]), list(row["accepted"]), keys))
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpectuneError(f"{path}:{number}: not a round record ({e!r}); expected num_steps, proposed, accepted") from None
     rounds = [r for r in rounds if r[2]]
     if not rounds:
         raise SpectuneError(f"{path}: no decode rounds logged; run the sweep with the embedded engine")
     horizon = max_steps if max_steps is not None else max(r[0] for r in rounds)
     rng = np.random.default_rng(seed)
     rows = []
-    for num_steps, proposed, accepted in rounds:
+    for num_steps, proposed, accepted, _ in rounds:
         acc = np.asarray(accepted, dtype=np.int64)
         censored = (acc >= np.asarray(proposed)) & (np.asarray(proposed) >= num_steps) & (num_steps < horizon)
         if acceptance is not None and censored.any():
             acc[censored] = _continue_chains(acc[censored], horizon, acceptance, rng)
         rows.append(acc)
-    return trace_from_rows(path.stem, horizon, rows)
+    trace = trace_from_rows(path.stem, horizon, rows)
+    ids = np.full(trace.accepted.shape, -1, dtype=np.int64)
+    for r, (*_, row_ids) in enumerate(rounds):
+        ids[r, : len(row_ids)] = row_ids
+    cap = None
+    if output_tokens is not None and (ids >= 0).any():
+        cap = np.full(trace.accepted.shape, trace.max_steps, dtype=np.int64)
+        made: dict[int, int] = {}  # output tokens so far per request: the prefill's one, then each round's
+        for r, (_, _, accepted, row_ids) in enumerate(rounds):
+            for b, (i, a) in enumerate(zip(row_ids, accepted)):
+                left = output_tokens - made.get(i, 1)
+                cap[r, b] = max(left - 1, 0)
+                made[i] = made.get(i, 1) + min(a + 1, left)
+    return replace(trace, request_ids=ids, cap=cap)
 
 
 def _continue_chains(accepted: np.ndarray, horizon: int, profile: AcceptanceProfile, rng: np.random.Generator) -> np.ndarray:
@@ -285,6 +352,75 @@ def _continue_chains(accepted: np.ndarray, horizon: int, profile: AcceptanceProf
     draws = rng.random((len(accepted), horizon)) < profile.rate_vector(horizon)  # [n, K]
     draws |= np.arange(horizon)[None, :] < accepted[:, None]  # the known-accepted prefix
     return np.cumprod(draws, axis=1).sum(axis=1)
+
+
+def survival_by_steps(path: str | Path, labels: dict[int, str] | None = None) -> dict[str, dict[int, np.ndarray]]:
+    """Per label (labels: request key (request_keys) -> e.g. its workload phase; without, or unlabelled: "") and per
+    step count a round log's rounds ran at: S_1..S_g, the share of request-rounds that accepted at least i drafts
+    (every request of every decode round, whether its proposer drafted or not)."""
+    labels = labels or {}
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    parts: dict[tuple[str, int], list[int]] = {}
+    for row, keys in zip(rows, request_keys(rows)):
+        if not row.get("prefill") and row.get("accepted") and int(row["num_steps"]) > 0:
+            for key, a in zip(keys, row["accepted"]):
+                parts.setdefault((labels.get(key, ""), int(row["num_steps"])), []).append(a)
+    out: dict[str, dict[int, np.ndarray]] = {}
+    for (label, g), values in parts.items():
+        accepted = np.asarray(values, dtype=np.int64)
+        out.setdefault(label, {})[g] = (accepted[:, None] >= np.arange(1, g + 1)[None, :]).mean(axis=0)
+    return out
+
+
+def rates_at(survival: dict[int, np.ndarray], g: int) -> np.ndarray:
+    """Conditional acceptance a_1..a_g of a round run at g ([g]), from survivals measured at some step counts: each
+    position's rate interpolated linearly in g over the step counts that measured it (held flat past the ends)."""
+    measured = sorted(survival)
+    rates = {k: _rates(survival[k]) for k in measured}
+    out = np.empty(g)
+    for i in range(g):
+        at = [k for k in measured if k > i]
+        out[i] = np.interp(g, at, [rates[k][i] for k in at]) if at else out[i - 1]
+    return out.clip(0.0, 1.0)
+
+
+def lift_trace(trace: Trace, survival: dict[str, dict[int, np.ndarray]], seed: int, labels: dict[int, str] | None = None) -> Trace:
+    """The trace with Trace.lifted: a round run at g accepts drafts at the conditional rates measured at g
+    (rates_at) instead of the trace's own at its horizon, changing as few of the trace's outcomes as that takes
+    (module docstring). survival: per label, per step count (survival_by_steps); labels: request key (request_keys) ->
+    label (e.g. its workload phase), each label's request-rounds lifted from their own rates at the horizon to
+    that label's at g; unlabelled ones take label "". A label without survival is left as cut. Seeded; every g
+    draws on the same uniforms."""
+    k = trace.max_steps
+    real = np.arange(trace.accepted.shape[1])[None, :] < trace.batch_sizes[:, None]  # [R, B]
+    ids = trace.request_ids if trace.request_ids is not None else np.full(trace.accepted.shape, -1)
+    labels = labels or {}
+    groups = np.vectorize(lambda i: labels.get(int(i), ""), otypes=[object])(ids) if labels else np.full(ids.shape, "", dtype=object)
+    u = np.random.default_rng(seed).random((k, *trace.accepted.shape))  # [K, R, B]
+    lifted = np.minimum(trace.accepted[:, :, None], np.arange(k + 1)[None, None, :]) * real[:, :, None]
+    for label, by_steps in survival.items():
+        rows = real & (groups == label)
+        if rows.any() and by_steps:
+            lifted[rows] = _lifted_rows(trace.accepted[rows], u[:, rows], by_steps, k)
+    return replace(trace, lifted=lifted)
+
+
+def _lifted_rows(acc: np.ndarray, u: np.ndarray, survival: dict[int, np.ndarray], k: int) -> np.ndarray:
+    """[n, K + 1] drafts accepted at g = 0..K by n request-rounds that accept `acc` ([n]) at K, on uniforms u [K, n]."""
+    own = _rates((acc[:, None] >= np.arange(1, k + 1)[None, :]).mean(axis=0))  # the rows' rates at K
+    out = np.zeros((len(acc), k + 1), dtype=np.int64)
+    for g in range(1, k + 1):
+        want = rates_at(survival, g) if g < k else own
+        on_trace = np.ones(len(acc), dtype=bool)  # still following the trace's outcomes
+        alive = np.ones(len(acc), dtype=bool)
+        for i in range(g):
+            keep = min(1.0, want[i] / own[i]) if own[i] > 0 else 0.0
+            flip = max(0.0, (want[i] - own[i]) / (1.0 - own[i])) if own[i] < 1 else 0.0
+            trace_accepts = acc > i
+            alive &= np.where(on_trace, np.where(trace_accepts, u[i] < keep, u[i] < flip), u[i] < want[i])
+            on_trace &= trace_accepts
+            out[:, g] += alive
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,15 +437,26 @@ def synthesize_trace(phases: Sequence[Phase], *, max_steps: int, seed: int, name
     """Seeded trace: each request's accepted drafts drawn from its phase's per-position acceptance."""
     rng = np.random.default_rng(seed)
     width = max(p.batch_size for p in phases)
+    trended = any(p.profile.trend for p in phases)  # then a round at g draws at the profile's acceptance at g
+    steps = range(max_steps + 1) if trended else (max_steps,)
     blocks, sizes, labels = [], [], []
     for p in phases:
-        draws = rng.random((p.num_rounds, p.batch_size, max_steps)) < p.profile.rate_vector(max_steps)  # [R, B, K]
-        block = np.zeros((p.num_rounds, width), dtype=np.int64)
-        block[:, : p.batch_size] = np.cumprod(draws, axis=2).sum(axis=2)
+        u = rng.random((p.num_rounds, p.batch_size, max_steps))  # [R, B, K]
+        block = np.zeros((p.num_rounds, width, max_steps + 1), dtype=np.int64)
+        for g in steps:
+            rates = _rates(p.profile.survival_at(g)) if trended else p.profile.rate_vector(g)
+            block[:, : p.batch_size, g] = np.cumprod(u[:, :, :g] < rates, axis=2).sum(axis=2)
         blocks.append(block)
         sizes.append(np.full(p.num_rounds, p.batch_size, dtype=np.int64))
         labels += [p.name] * p.num_rounds
-    return Trace(name=name, max_steps=max_steps, batch_sizes=np.concatenate(sizes), accepted=np.concatenate(blocks), phases=tuple(labels))
+    took = np.concatenate(blocks)
+    return Trace(name=name, max_steps=max_steps, batch_sizes=np.concatenate(sizes), accepted=took[:, :, max_steps],
+                 phases=tuple(labels), lifted=took if trended else None)
+
+
+def _rates(survival: np.ndarray) -> np.ndarray:
+    """Conditional rates a_i = S_i / S_(i-1) of a survival curve."""
+    return np.divide(survival, np.concatenate([[1.0], survival[:-1]]), out=np.zeros_like(survival), where=np.concatenate([[1.0], survival[:-1]]) > 0)
 
 
 def phase_shifting_trace(
@@ -346,9 +493,7 @@ def window_profiles(trace: Trace, window: int = 50) -> list[AcceptanceProfile]:
         mask = np.arange(acc.shape[1])[None, :] < sizes[:, None]
         values = acc[mask]  # [requests]
         survival = np.array([(values >= i).mean() for i in range(1, trace.max_steps + 1)])
-        prev = np.concatenate([[1.0], survival[:-1]])
-        rates = np.divide(survival, prev, out=np.zeros_like(survival), where=prev > 0)
-        out.append(AcceptanceProfile(tuple(float(r) for r in rates)))
+        out.append(AcceptanceProfile(tuple(float(r) for r in _rates(survival))))
     return out
 
 

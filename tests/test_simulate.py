@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,8 +20,10 @@ from spectune.simulate import (
     Phase,
     SchedulePolicy,
     StaticPolicy,
+    lift_trace,
     phase_shifting_trace,
     simulate,
+    survival_by_steps,
     synthesize_trace,
     trace_from_round_log,
     trace_from_rows,
@@ -209,3 +212,98 @@ def test_phase_shifting_trace_alternates_acceptance_out_of_step_with_batch_size(
     assert trace.batch_sizes[[0, 150, 300, 450, 600, 750]].tolist() == [1, 4, 16, 4, 1, 4]
     mean = lambda label: trace.accepted[phases == label].sum() / trace.batch_sizes[phases == label].sum()
     assert mean("high") > 5 * mean("low")
+
+
+# --- acceptance by the step count a round runs at, output caps, per-request cost ------------------------------
+
+
+def _survival(values: np.ndarray, g: int) -> list[float]:
+    return [float((values >= i).mean()) for i in range(1, g + 1)]
+
+
+def test_lifted_trace_gives_each_label_the_acceptance_measured_at_each_g():
+    # Two phases drawn at horizon 6 with their own rates; what rounds at g = 2 accepted is higher for "code" only.
+    hard, easy = AcceptanceProfile((0.5, 0.6)), AcceptanceProfile((0.9, 0.95))
+    trace = synthesize_trace([Phase("code", 3000, 4, hard), Phase("quote", 3000, 4, easy)], max_steps=6, seed=1)
+    ids = np.arange(trace.accepted.size).reshape(trace.accepted.shape)  # one request id per request-round
+    labels = {int(i): ("code" if r < 3000 else "quote") for r, row in enumerate(ids) for i in row}
+    trace = replace(trace, request_ids=ids)
+    at_2 = np.array([0.7, 0.5])  # S_1, S_2 measured at g = 2 for code: above the horizon's 0.5, 0.3
+    survival = {"code": {2: at_2, 6: hard.survival(6)}}
+    lifted = lift_trace(trace, survival, seed=3, labels=labels)
+    took = lifted.took()
+    code, quote = slice(0, 3000), slice(3000, None)
+    np.testing.assert_allclose(_survival(took[code, :, 2].ravel(), 2), at_2, atol=0.015)
+    # the other phase has no survival of its own: left as cut; the horizon is the trace itself
+    assert np.array_equal(took[quote, :, 2], np.minimum(trace.accepted[quote], 2))
+    assert np.array_equal(took[:, :, 6], trace.accepted)
+    # between measured step counts each position's rate is interpolated: g = 4 lies between g = 2 and g = 6
+    s4 = _survival(took[code, :, 4].ravel(), 4)
+    assert hard.survival(4)[0] + 0.02 < s4[0] < at_2[0] - 0.02
+    # policies see the lifted acceptance: static g = 2 yields more than the cut trace on the code phase
+    first = lambda t: replace(t, batch_sizes=t.batch_sizes[code], accepted=t.accepted[code], phases=t.phases[code], request_ids=None,
+                              lifted=None if t.lifted is None else t.lifted[code])
+    cut, more = simulate(first(trace), StaticPolicy(2), COST), simulate(first(lifted), StaticPolicy(2), COST)
+    assert more.timeline["tokens"].sum() > 1.1 * cut.timeline["tokens"].sum()
+    assert np.array_equal(lift_trace(trace, survival, seed=3, labels=labels).lifted, lifted.lifted)  # seeded
+
+
+def test_lift_lowers_acceptance_where_g_measured_less():
+    trace = synthesize_trace([Phase("a", 4000, 2, AcceptanceProfile((0.8,)))], max_steps=3, seed=0)
+    lifted = lift_trace(trace, {"": {1: np.array([0.6])}}, seed=0)
+    assert _survival(lifted.took()[:, :, 1].ravel(), 1)[0] == pytest.approx(0.6, abs=0.02)
+    assert (lifted.took()[:, :, 1] <= np.minimum(trace.accepted, 1)).all()  # only drops acceptances
+
+
+def test_survival_by_steps_reads_each_step_count_and_label_of_a_round_log(tmp_path):
+    log = tmp_path / "adaptive.jsonl"
+    rows = [
+        {"prefill": True, "batch_size": 2, "prompt_tokens": [5, 5], "request_ids": [0, 1]},
+        {"num_steps": 2, "proposed": [2, 2], "accepted": [2, 0], "request_ids": [0, 1]},
+        {"num_steps": 2, "proposed": [2, 2], "accepted": [1, 1], "request_ids": [0, 1]},
+        {"num_steps": 4, "proposed": [4], "accepted": [3], "request_ids": [1]},
+    ]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    by_label = survival_by_steps(log, {0: "quote"})
+    assert set(by_label) == {"quote", ""}
+    np.testing.assert_allclose(by_label["quote"][2], [1.0, 0.5])
+    np.testing.assert_allclose(by_label[""][2], [0.5, 0.0])
+    np.testing.assert_allclose(by_label[""][4], [1.0, 1.0, 1.0, 0.0])
+    np.testing.assert_allclose(survival_by_steps(log)[""][2], [0.75, 0.25])
+
+
+def test_round_log_trace_counts_only_the_tokens_a_request_had_left(tmp_path):
+    # max_tokens 8: the prefill gives 1, then rounds of 4 + 1 and 4 + 1 tokens; the second has only 2 left.
+    log = tmp_path / "g4.jsonl"
+    rows = [
+        {"prefill": True, "batch_size": 1, "prompt_tokens": [5], "request_ids": [7]},
+        {"num_steps": 4, "proposed": [4], "accepted": [4], "request_ids": [7]},
+        {"num_steps": 4, "proposed": [4], "accepted": [4], "request_ids": [7]},
+    ]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trace = trace_from_round_log(log, output_tokens=8)
+    assert trace.accepted.tolist() == [[4], [4]]  # what the engine accepted
+    assert trace.cap.tolist() == [[6], [1]]
+    result = simulate(trace, StaticPolicy(4), COST)
+    assert result.timeline["tokens"].tolist() == [5, 2] and result.work_tokens == 7  # 8 - the prefill's token
+    assert simulate(trace, StaticPolicy(1), COST).timeline["tokens"].tolist() == [2, 2]
+    assert trace_from_round_log(log).cap is None
+
+
+def test_per_request_cost_is_paid_per_token_so_a_trace_reproduces_ms_per_token():
+    cost = RoundCost(batch_sizes=(1, 8), target_ms=(10.0, 20.0), draft_fixed_ms=(2.0, 4.0), per_step_ms=(1.0, 3.0), request_ms=(3.0, 8.0))
+    trace = trace_from_rows("steady", 4, [[2] * 8] * 64)  # every request accepts 2 drafts: 3 tokens per round at g >= 2
+    for g, tokens in ((0, 1), (2, 3), (4, 3)):
+        result = simulate(trace, StaticPolicy(g), cost)
+        assert 1000.0 * 8 / result.tokens_per_s == pytest.approx(cost.ms_per_token(8, g, tokens))
+    bare = replace(cost, request_ms=())
+    assert simulate(trace, StaticPolicy(4), bare).tokens_per_s > simulate(trace, StaticPolicy(4), cost).tokens_per_s
+
+
+def test_synthesized_trace_follows_the_profiles_trend_in_g():
+    profile = AcceptanceProfile((0.8, 0.7), trend=-0.05, trend_ref_g=2.0)
+    trace = synthesize_trace([Phase("a", 3000, 4, profile)], max_steps=5, seed=2)
+    took = trace.took()
+    for g in (1, 3, 5):
+        np.testing.assert_allclose(_survival(took[:, :, g].ravel(), g), profile.survival_at(g), atol=0.015)
+    assert np.array_equal(took[:, :, 5], trace.accepted)

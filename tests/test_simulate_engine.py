@@ -15,11 +15,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
-from spectune.simulate import StaticPolicy
-from spectune.scoring import make_bench
+from spectune.scoring import make_bench, request_phases
+from spectune.simulate import StaticPolicy, survival_by_steps
 from spectune.tune import TuneOptions, load_results, tune
 from spectune.workload import load_requests
 from sweep_helpers import sweep_cmd
@@ -152,3 +153,30 @@ def test_tune_on_e2e_scores_every_comparison_on_the_replayed_traffic(sweeps, tmp
     other = tune(TuneOptions(results_dir=results, objective="e2e", trials=2, seed=0, method="ngram", traffic=str(workload), exhaustive=False,
                              max_concurrency=BURST // 2), log=lambda _: None)
     assert other.study_name != outcome.study_name and other.num_complete == 2
+
+
+def test_throughput_bench_lifts_the_round_log_to_each_measured_g_and_caps_it_at_max_tokens(sweeps):
+    """The throughput objective's round-log trace, on a real sweep: every engine request of the logged server is matched
+    to its workload phase, rounds at a smaller g get the acceptance that g's own server logged, and no request yields
+    more than max_tokens."""
+    _, closed, _ = sweeps
+    run = load_results(closed)
+    phases = request_phases(run, f"ngram-g{G}")
+    streamed = run.requests[run.requests["cell"].str.startswith(f"ngram-g{G}__")]
+    assert set(phases.values()) == {"quote"} and len(phases) >= len(streamed)
+    bench = make_bench(run, "throughput", seed=0, method="ngram")
+    trace = bench.traces[0]
+    assert trace.name == f"ngram-g{G}" and trace.lifted is not None and trace.cap is not None
+    real = np.arange(trace.accepted.shape[1])[None, :] < trace.batch_sizes[:, None]
+    lifted_s1 = (trace.took()[:, :, 1][real] >= 1).mean()
+    logged_s1 = survival_by_steps(run.round_logs["ngram-g1"])[""][1][0]
+    cut_s1 = (trace.accepted[real] >= 1).mean()
+    assert lifted_s1 == pytest.approx(logged_s1, abs=0.05) and abs(lifted_s1 - logged_s1) <= abs(cut_s1 - logged_s1) + 1e-9
+    # per request, the rounds at the logged g yield exactly its output tokens after the prefill's one
+    made = {}
+    tokens = trace.took()[:, :, G] + 1
+    for ids, row, mask in zip(trace.request_ids, tokens, real):
+        for i, t in zip(ids[mask], row[mask]):
+            made[int(i)] = made.get(int(i), 0) + int(t)
+    assert max(made.values()) == MAX_TOKENS - 1 and list(made.values()).count(MAX_TOKENS - 1) >= len(streamed)
+    assert (trace.accepted[real] > trace.cap[real]).any()  # the engine accepted drafts past max_tokens: the cap binds
