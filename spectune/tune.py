@@ -3,7 +3,8 @@ best with the baselines and write the configs.
 
 The stages live in their own modules: spectune.scoring (the bench a trial is scored on), spectune.search (search
 space, study, ask/tell loop), spectune.comparisons (tuned vs static, schedule, presets, oracle) and spectune.deploy
-(configs and tuning.json). The study is named after the run, the method and the objective; without --worker the
+(configs and tuning.json). The study is named after the run, the method, the objective and a digest of the bench (a
+changed sweep or simulator starts a new study, bench_digest); without --worker the
 command runs its trials and then writes, with --worker it only runs trials for a shared study.
 """
 
@@ -68,6 +69,7 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcom
     study_name = f"spectune-{Path(options.results_dir).resolve().name}-{bench.fit.method}-{options.objective}"
     if bench.replay is not None:  # a study's scores hold for one replayed traffic and concurrency only
         study_name += f"-{bench.replay.traffic.name}-c{bench.replay.max_num_seqs}"
+    study_name += f"-{bench_digest(bench)}"  # and for one bench: new cells or a new simulator start a new study
     study = open_study(storage, study_name, seed=options.seed + (os.getpid() if options.worker else 0))
     evaluate = lambda cfg: _evaluate(bench, cfg, options.sglang_version)
     if not study.trials:
@@ -82,6 +84,16 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcom
         for line in holdout_lines(json.loads((outdir / "tuning.json").read_text()).get("holdout", {})):
             log(line)
     return outcome
+
+
+def bench_digest(bench: Bench) -> str:
+    """8 hex digits that change when what a trial scores on changes (the sweep's cells, or how spectune simulates
+    them): target-only's figures and the largest static g's speedup on the bench. The same on every worker."""
+    import hashlib
+
+    figures = [round(v, 6) for r in bench.baselines.values() for v in r.figures().values()]
+    figures.append(round(bench.score(StaticPolicy(bench.fit.max_steps)).speedup, 9))
+    return hashlib.sha1(json.dumps(figures).encode()).hexdigest()[:8]
 
 
 def verdict_lines(tuning_json: Path) -> list[str]:

@@ -197,7 +197,9 @@ def test_two_workers_share_one_postgresql_study(results, postgres_url, spectune_
     workers = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [w.communicate(timeout=300) for w in workers]
     assert [w.returncode for w in workers] == [0, 0], [o[1][-3000:] for o in outputs]
-    study = optuna.load_study(study_name="spectune-synthetic-run-draft_model-throughput", storage=storage_for(postgres_url))
+    (name,) = optuna.get_all_study_names(storage_for(postgres_url))
+    assert name.startswith("spectune-synthetic-run-draft_model-throughput-")  # and the bench's digest
+    study = optuna.load_study(study_name=name, storage=storage_for(postgres_url))
     # Every trial the two workers asked for is in the one study, finished: COMPLETE, or FAIL with its cause kept
     # (a trial may fail, e.g. on a race inside Optuna's RDB storage; the study goes on, by design).
     others = [(t.number, t.state.name, t.user_attrs) for t in study.trials if t.state != TrialState.COMPLETE]
@@ -217,3 +219,18 @@ def test_two_workers_share_one_postgresql_study(results, postgres_url, spectune_
     assert (report["study"]["complete"], report["study"]["failed"]) == (len(complete), len(others))
     assert "secret" not in text and report["study"]["storage"].startswith("postgresql://postgres:***@")
     assert report["policies"]["tuned_adaptive"] == max(complete, key=lambda t: t.value).user_attrs["config"]
+
+
+def test_a_study_resumes_on_the_same_bench_and_starts_afresh_when_the_cells_change(results):
+    options = TuneOptions(results_dir=results, trials=3, seed=0, draft_model="d", exhaustive=False)
+    first = tune(options, log=lambda _: None)
+    again = tune(options, log=lambda _: None)
+    assert again.study_name == first.study_name and again.num_complete == first.num_complete + 3
+    # A re-measured target-only cell changes every trial's score: the old trials must not compete with the new ones.
+    cell = next(p for p in sorted((results / "cells").glob("*.json")) if json.loads(p.read_text())["is_speculative"] is False)
+    row = json.loads(cell.read_text())
+    row["output_throughput_tps"] *= 1.2
+    cell.write_text(json.dumps(row))
+    changed = tune(options, log=lambda _: None)
+    assert changed.study_name != first.study_name and changed.num_complete == first.num_complete
+    assert changed.study_name.rsplit("-", 1)[0] == first.study_name.rsplit("-", 1)[0]  # same run, method, objective
