@@ -4,8 +4,8 @@ round-log trace simulates for that policy (its rounds at the batch size's range,
 
     python benchmarks/trace_fidelity.py RESULTS [--method eagle]
 
-RESULTS: a closed-loop embedded-engine sweep with round logs; its confirm/ passes (those confirm.json counted) are
-used when present. Prints a Markdown table; nothing is written.
+RESULTS: a closed-loop embedded-engine sweep with round logs; its confirm/ passes (those `spectune confirm` counted,
+RESULTS/tuned/tuning.json) are used when present. Prints a Markdown table; nothing is written.
 """
 
 from __future__ import annotations
@@ -51,9 +51,10 @@ def main() -> None:
     for server, g in run.cells.drop_duplicates("server").set_index("server")["num_speculative_tokens"].items():
         if g and g > 0 and server in static.index:
             servers[f"{server} (sweep)"] = (StaticPolicy(int(g)), static.loc[server])
-    confirm = args.results / "confirm.json"
-    if confirm.exists():
-        skipped = set(json.loads(confirm.read_text()).get("not_counted", []))
+    tuning = args.results / "tuned" / "tuning.json"
+    verdict = json.loads(tuning.read_text()).get("verdict", {}) if tuning.exists() else {}
+    if verdict.get("source") == "measured":
+        skipped = set(verdict.get("passes_not_counted", []))
         passes = sorted(p for p in (args.results / "confirm").glob("pass-*") if int(p.name.split("-")[1]) not in skipped)
         cells = pd.concat([pd.read_parquet(p / "cells.parquet") for p in passes])
         measured = measured_speedups(cells)

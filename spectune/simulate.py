@@ -14,7 +14,9 @@ bound). A request that rejected a draft, or whose proposer offered fewer drafts 
 A round's acceptance also depends on the g it runs at, not only on the text: rounds at a larger g more often start
 right after a rejection, where drafting is harder, and cover easy stretches in fewer rounds (measured for EAGLE:
 S_1 = 0.81 at g = 1, 0.76 at g = 3, 0.72 at g = 7). A trace cut at g < K would give a policy at g the acceptance
-of rounds at K. lift_trace gives it the acceptance measured at g instead (Trace.lifted): where the trace rejects
+of rounds at K. lift_trace gives it the acceptance measured at g instead (Trace.lifted), per workload phase where
+the log's requests are labelled (much of the pooled difference is only the phase mix, which windows already weigh):
+where the trace rejects
 a draft, the round at g accepts it with the probability that raises the conditional rate to g's, and goes on from
 there at g's rates (or, where g's rate is lower, drops an acceptance). synthesize_trace draws each g from its
 profile's trend the same way.
