@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from spectune.adaptive import AdaptiveConfig
+from spectune.analysis import speedup_table
 from spectune.scoring import make_bench
 from spectune.simulate import StaticPolicy, Trace, simulate
 from spectune.store import load_run
@@ -31,10 +32,8 @@ def rounds_at(trace: Trace, low: int, high: int) -> Trace:
 
 
 def measured_speedups(cells: pd.DataFrame) -> pd.DataFrame:
-    """[server x batch size]: mean output tokens/s over target-only's."""
-    table = cells[cells["status"] == "ok"].groupby(["server", "batch_size"])["output_throughput_tps"].mean().unstack()
-    target = table.loc[[s for s in table.index if not cells.loc[cells["server"] == s, "is_speculative"].astype(bool).any()][0]]
-    return table / target
+    """[server x batch size]: output tokens/s over target-only's, paired by repeat (spectune.analysis.speedup_table)."""
+    return speedup_table(cells).pivot(index="server", columns="batch_size", values="speedup")
 
 
 def main() -> None:
@@ -56,7 +55,8 @@ def main() -> None:
     if verdict.get("source") == "measured":
         skipped = set(verdict.get("passes_not_counted", []))
         passes = sorted(p for p in (args.results / "confirm").glob("pass-*") if int(p.name.split("-")[1]) not in skipped)
-        cells = pd.concat([pd.read_parquet(p / "cells.parquet") for p in passes])
+        # a pass is one repeat of every server: pair by pass
+        cells = pd.concat([pd.read_parquet(p / "cells.parquet").assign(repeat=i) for i, p in enumerate(passes)])
         measured = measured_speedups(cells)
         for server, row in cells.drop_duplicates("server").set_index("server").iterrows():
             if isinstance(row["adaptive_config"], str):

@@ -22,7 +22,6 @@ Slots route unpadded, as SGLang 0.5.23 does unless launched with --cuda-graph-bs
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -56,6 +55,7 @@ from spectune.simulate import (
     draw_acceptance,
     lift_trace,
     phase_shifting_trace,
+    read_round_log,
     request_keys,
     simulate,
     simulate_requests,
@@ -244,12 +244,10 @@ def phase_acceptance(run: Run, fit: CostFit) -> dict[str, PositionalAcceptance]:
     """Per-position acceptance along the output per workload phase (request tag) of the fitted method's static
     cells, from their streamed chunks: the first carries the prefill's token, the last may be cut at max_tokens,
     and every other carries one decode round's accepted drafts + 1. Key "" pools every phase."""
-    from spectune.workload import load_requests
-
     cells = _static_cells(run, fit)
     cells = cells[(cells["method"] == fit.method) & (cells["num_speculative_tokens"] > 0)]
     rows = run.requests[run.requests["cell"].isin(cells["cell"]) & run.requests["error"].isna()]
-    tags = {_prompt_key(r): r.tag for r in load_requests(run.manifest["plan"]["workload"])}
+    tags = _workload_tags(run)
     steps_of = cells.set_index("cell")["num_speculative_tokens"].astype(int)
     accepted, steps, positions, groups = [], [], [], []
     for cell, prompt, chunks in zip(rows["cell"], rows["prompt"], rows["chunk_tokens"]):
@@ -267,6 +265,13 @@ def phase_acceptance(run: Run, fit: CostFit) -> dict[str, PositionalAcceptance]:
     return profiles
 
 
+def _workload_tags(run: Run) -> dict[str, str]:
+    """The sweep's prompts (as stored per request) -> their workload phase (request tag)."""
+    from spectune.workload import load_requests
+
+    return {_prompt_key(r): r.tag for r in load_requests(run.manifest["plan"]["workload"])}
+
+
 def request_phases(run: Run, server: str) -> dict[int, str]:
     """Request key (simulate.request_keys) -> workload phase (request tag) for one server's round log. The log does not name the
     requests, so each is matched by its accepted drafts per round to a streamed request of that server (one chunk
@@ -274,10 +279,8 @@ def request_phases(run: Run, server: str) -> dict[int, str]:
     requests streamed takes the phase most of them had. Unmatched keys are left out."""
     from collections import Counter
 
-    from spectune.workload import load_requests
-
     try:
-        tags = {_prompt_key(r): r.tag for r in load_requests(run.manifest["plan"]["workload"])}
+        tags = _workload_tags(run)
     except (KeyError, SpectuneError):
         return {}
     if not {"prompt", "chunk_tokens", "cell"} <= set(run.requests.columns):
@@ -288,7 +291,7 @@ def request_phases(run: Run, server: str) -> dict[int, str]:
     for prompt, chunks in zip(rows["prompt"], rows["chunk_tokens"]):
         if (tag := tags.get(prompt, "")) and chunks is not None and len(chunks) >= 2:
             by_sequence.setdefault(tuple(int(c) - 1 for c in chunks[1:-1]), Counter())[tag] += 1
-    rows = [json.loads(line) for line in Path(run.round_logs[server]).read_text().splitlines()]
+    rows = read_round_log(run.round_logs[server])
     rounds: dict[int, list[int]] = {}
     for row, keys in zip(rows, request_keys(rows)):
         if not row.get("prefill") and row.get("accepted"):

@@ -292,6 +292,18 @@ def request_keys(rows: Sequence[dict]) -> list[list[int]]:
     return out
 
 
+def read_round_log(path: str | Path) -> list[dict]:
+    """The rows of an embedded engine's round log (JSON lines: decode rounds and prefill steps)."""
+    rows = []
+    with Path(path).open() as f:
+        for number, line in enumerate(f, 1):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SpectuneError(f"{path}:{number}: not a round record ({e}); expected num_steps, proposed, accepted") from None
+    return rows
+
+
 def trace_from_round_log(
     path: str | Path,
     *,
@@ -305,13 +317,7 @@ def trace_from_round_log(
     (the sweep's max_tokens), a request's rounds count only the tokens it had left (Trace.cap): the engine logs
     every accepted draft, also those past the end of the output. Trace.request_ids holds request_keys."""
     path = Path(path)
-    rows = []
-    with path.open() as f:
-        for number, line in enumerate(f, 1):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise SpectuneError(f"{path}:{number}: not a round record ({e}); expected num_steps, proposed, accepted") from None
+    rows = read_round_log(path)
     rounds = []
     for number, (row, keys) in enumerate(zip(rows, request_keys(rows)), 1):
         if row.get("prefill"):  # a prefill step (spectune.costmodel.read_step_log reads those)
@@ -361,7 +367,7 @@ def survival_by_steps(path: str | Path, labels: dict[int, str] | None = None) ->
     step count a round log's rounds ran at: S_1..S_g, the share of request-rounds that accepted at least i drafts
     (every request of every decode round, whether its proposer drafted or not)."""
     labels = labels or {}
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    rows = read_round_log(path)
     parts: dict[tuple[str, int], list[int]] = {}
     for row, keys in zip(rows, request_keys(rows)):
         if not row.get("prefill") and row.get("accepted") and int(row["num_steps"]) > 0:
