@@ -97,7 +97,7 @@ def tune(
     sglang_version: str = typer.Option("0.5.23", help="SGLang release to write adaptive_spec.json for."),
     out: Optional[Path] = typer.Option(None, help="Output directory. Default: <RESULTS>/tuned."),
     draft_model: Optional[str] = typer.Option(None, help="Draft model path for the vLLM / llama.cpp outputs. Default: the plan's."),
-    method: Optional[str] = typer.Option(None, help="Speculative method to tune (e.g. eagle, ngram). Default: the one that measured fastest over target-only."),
+    method: Optional[str] = typer.Option(None, help="Speculative method to tune (e.g. eagle, ngram). Default: the fastest measured one SGLang runs adaptive steps with (EAGLE), else the fastest measured."),
     exhaustive: bool = typer.Option(True, help="Also score an exhaustive grid of SGLang configs on the same bench (a minute or two)."),
 ) -> None:
     """Search SGLang adaptive configs on the measured traces; write adaptive_spec.json, vLLM and llama.cpp configs."""

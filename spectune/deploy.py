@@ -16,7 +16,7 @@ from spectune.adaptive import AdaptiveConfig
 from spectune.comparisons import compare, exhaustive_report, simulated_verdict
 from spectune.costmodel import CostFit, breakeven_batch_size, prediction_vs_measurement, recommend
 from spectune.deploy_engines import ENGINE_NAMES, Deployment, TunedMethod, write_deployments
-from spectune.emit import describe_sglang_config, never_drafts, sglang_launch_steps
+from spectune.emit import ADAPTIVE_ALGORITHMS, describe_sglang_config, never_drafts, sglang_launch_steps
 from spectune.errors import SpectuneError
 from spectune.holdout import holdout_report
 from spectune.scoring import REPLAY_SEEDS, REQUEST_METRICS, Bench, Replay
@@ -71,7 +71,12 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
 
 def log_tuned(bench: Bench, tuned: AdaptiveConfig, policies: dict, chosen: str | None, log: Callable[[str], None]) -> None:
     """The method tuned and its steps per batch size, as the console shows them."""
-    why = "chosen with --method" if chosen else "the fastest measured over target-only"
+    if chosen:
+        why = "chosen with --method"
+    elif bench.fit.method.upper() in ADAPTIVE_ALGORITHMS:
+        why = f"the fastest measured over target-only of those SGLang runs adaptive steps with: {'/'.join(ADAPTIVE_ALGORITHMS)}"
+    else:
+        why = "the fastest measured over target-only"
     log(f"tuned method: {bench.fit.method} on the {bench.fit.engine} engine ({why})")
     steps = policies["best_per_batch_schedule"]["best_steps_by_batch_size"]
     log("steps per batch size (best per-batch-size schedule, simulated): "

@@ -21,7 +21,8 @@ import pandas as pd
 from spectune.adaptive import AdaptiveConfig
 from spectune.comparisons import best_schedule
 from spectune.deploy import finalize
-from spectune.emit import validate_sglang_config
+from spectune.costmodel import fastest_method, split_failed
+from spectune.emit import ADAPTIVE_ALGORITHMS, validate_sglang_config
 from spectune.errors import SpectuneError
 from spectune.holdout import holdout_lines
 from spectune.scoring import Bench, Score, make_bench
@@ -43,7 +44,7 @@ class TuneOptions:
     sglang_version: str = "0.5.23"
     out_dir: Path | None = None  # None = <results_dir>/tuned
     draft_model: str | None = None  # for the vLLM / llama.cpp outputs; default: the sweep plan's
-    method: str | None = None  # the speculative method to tune; None = the one that measured fastest (costmodel.fastest_method)
+    method: str | None = None  # the speculative method to tune; None = sglang_method (EAGLE if measured, else the fastest)
     traffic: str | None = None  # replay objectives: workload name or file with arrival_s; None = the sweep's
     max_concurrency: int | None = None  # replay objectives: requests in flight and engine slots; None = the sweep's largest batch size
     exhaustive: bool = True  # also score an exhaustive grid of SGLang configs (spectune.exhaustive; a minute or two)
@@ -64,7 +65,8 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcom
     if options.objective not in OBJECTIVES:
         raise SpectuneError(f"--objective {options.objective!r}: must be one of {', '.join(OBJECTIVES)}")
     run = load_results(options.results_dir)
-    bench = make_bench(run, options.objective, options.seed, options.method, options.traffic, options.max_concurrency)
+    method = options.method or sglang_method(run.cells)
+    bench = make_bench(run, options.objective, options.seed, method, options.traffic, options.max_concurrency)
     storage = options.storage or f"sqlite:///{Path(options.results_dir).resolve() / 'study.db'}"
     study_name = f"spectune-{Path(options.results_dir).resolve().name}-{bench.fit.method}-{options.objective}"
     if bench.replay is not None:  # a study's scores hold for one replayed traffic and concurrency only
@@ -84,6 +86,15 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcom
         for line in holdout_lines(json.loads((outdir / "tuning.json").read_text()).get("holdout", {})):
             log(line)
     return outcome
+
+
+def sglang_method(cells: pd.DataFrame) -> str | None:
+    """The method to tune when none is named: adaptive_spec.json is SGLang's, and SGLang runs adaptive steps with
+    EAGLE/EAGLE3 only, so the fastest measured of those; None (the fastest measured of all) where none was measured."""
+    usable, _ = split_failed(cells)
+    static = usable[usable["is_speculative"].astype(bool) & usable["adaptive_config"].isna() & (usable["num_speculative_tokens"] > 0)]
+    runnable = static[static["method"].astype(str).str.upper().isin(ADAPTIVE_ALGORITHMS)]
+    return fastest_method(runnable, usable)[1] if not runnable.empty else None
 
 
 def bench_digest(bench: Bench) -> str:

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import optuna
 import pytest
 from optuna.trial import TrialState
@@ -21,7 +22,7 @@ from spectune.emit import schedule_from_optima, validate_sglang_config, validate
 from spectune.costmodel import AcceptanceProfile
 from spectune.scoring import make_bench
 from spectune.search import SearchSpace, run_trials, storage_for
-from spectune.tune import TuneOptions, load_results, tune
+from spectune.tune import TuneOptions, load_results, sglang_method, tune
 from synthetic_sweep import SYNTHETIC_COST, write_synthetic_results
 
 COMPARISONS = {"target_only", "best_static", "best_per_batch_schedule", "sglang_default", "conservative", "aggressive",
@@ -234,3 +235,17 @@ def test_a_study_resumes_on_the_same_bench_and_starts_afresh_when_the_cells_chan
     changed = tune(options, log=lambda _: None)
     assert changed.study_name != first.study_name and changed.num_complete == first.num_complete
     assert changed.study_name.rsplit("-", 1)[0] == first.study_name.rsplit("-", 1)[0]  # same run, method, objective
+
+
+def test_without_method_tune_picks_the_fastest_method_sglang_runs_adaptive_steps_with():
+    def cells(speedups: dict[str, float]) -> pd.DataFrame:
+        rows = [{"server": "target", "method": None, "is_speculative": False, "num_speculative_tokens": 0, "tps": 100.0}]
+        rows += [{"server": f"{m}-g2", "method": m, "is_speculative": True, "num_speculative_tokens": 2, "tps": 100.0 * x}
+                 for m, x in speedups.items()]
+        frame = pd.DataFrame([r | {"batch_size": bs} for r in rows for bs in (1, 4)]).rename(columns={"tps": "output_throughput_tps"})
+        return frame.assign(engine="embedded", status="ok", failure_rate=0.0, adaptive_config=None, repeat=0)
+
+    # dflash measured fastest, but adaptive_spec.json is SGLang's, which runs adaptive steps with EAGLE only
+    assert sglang_method(cells({"dflash": 1.4, "eagle": 1.3, "ngram": 1.1})) == "eagle"
+    assert sglang_method(cells({"dflash": 1.4, "eagle": 1.3, "eagle3": 1.35})) == "eagle3"
+    assert sglang_method(cells({"dflash": 1.4, "ngram": 1.1})) is None  # then the fastest measured
