@@ -4,8 +4,9 @@ round-log trace simulates for that policy (its rounds at the batch size's range,
 
     python benchmarks/trace_fidelity.py RESULTS [--method eagle]
 
-RESULTS: a closed-loop embedded-engine sweep with round logs; its confirm/ passes (those `spectune confirm` counted,
-RESULTS/tuned/tuning.json) are used when present. Prints a Markdown table; nothing is written.
+RESULTS: a closed-loop embedded-engine sweep with round logs; the passes of its latest measured verdict (those
+`spectune confirm` counted, RESULTS/tuned/tuning.json: RESULTS/confirm, or RESULTS/confirm-<k> after a refinement) are
+used when present. Prints a Markdown table; nothing is written.
 """
 
 from __future__ import annotations
@@ -54,13 +55,16 @@ def main() -> None:
     verdict = json.loads(tuning.read_text()).get("verdict", {}) if tuning.exists() else {}
     if verdict.get("source") == "measured":
         skipped = set(verdict.get("passes_not_counted", []))
-        passes = sorted(p for p in (args.results / "confirm").glob("pass-*") if int(p.name.split("-")[1]) not in skipped)
+        confirm_dir = Path(verdict.get("confirm_dir") or args.results / "confirm")
+        passes = sorted(p for p in confirm_dir.glob("pass-*") if int(p.name.split("-")[1]) not in skipped)
+        measured_config = confirm_dir / "tuned-adaptive.json"  # the config these passes measured (tuned/ may be refined since)
         # a pass is one repeat of every server: pair by pass
         cells = pd.concat([pd.read_parquet(p / "cells.parquet").assign(repeat=i) for i, p in enumerate(passes)])
         measured = measured_speedups(cells)
         for server, row in cells.drop_duplicates("server").set_index("server").iterrows():
             if isinstance(row["adaptive_config"], str):
-                policy = bench.adaptive(AdaptiveConfig.from_file(Path(row["adaptive_config"])), server)
+                path = measured_config if server == "tuned" and measured_config.exists() else Path(row["adaptive_config"])
+                policy = bench.adaptive(AdaptiveConfig.from_file(path), server)
             elif row["num_speculative_tokens"] > 0:
                 policy = StaticPolicy(int(row["num_speculative_tokens"]))
             else:

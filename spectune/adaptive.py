@@ -225,6 +225,23 @@ AGGRESSIVE_PRESET = _preset({
 PRESETS = {"sglang_default": SGLANG_DEFAULT_CONFIG, "conservative": CONSERVATIVE_PRESET, "aggressive": AGGRESSIVE_PRESET}
 
 
+def runs_alike(a: AdaptiveConfig, b: AdaptiveConfig, launch_a: int, launch_b: int, max_batch_size: int) -> bool:
+    """Whether two configs decide identically for every batch of 1..max_batch_size requests (unpadded routing): the
+    same slots group those batch sizes, each with the same config and the same starting step. Then a run that never
+    exceeds max_batch_size runs alike under either, and any difference measured between them there is noise."""
+    routes = [(AdaptivePolicy(cfg, launch, []), cfg) for cfg, launch in ((a, launch_a), (b, launch_b))]
+    seen: dict[tuple[str, int], tuple[int, int]] = {}
+    for n in range(1, max_batch_size + 1):
+        bounds = tuple(policy.slot_for_batch(n) for policy, _ in routes)
+        (pa, ca), (pb, cb) = routes
+        if ca.slots[bounds[0]] != cb.slots[bounds[1]] or pa.slots[bounds[0]].steps != pb.slots[bounds[1]].steps:
+            return False
+        # one slot in a must be one slot in b (a shared EMA), both ways
+        if seen.setdefault(("a", bounds[0]), bounds) != bounds or seen.setdefault(("b", bounds[1]), bounds) != bounds:
+            return False
+    return True
+
+
 def sglang_cuda_graph_bs(max_bs: int = 256) -> list[int]:
     """The decode CUDA-graph batch sizes SGLang captures under speculative decoding.
 

@@ -99,6 +99,8 @@ def tune(
     draft_model: Optional[str] = typer.Option(None, help="Draft model path for the vLLM / llama.cpp outputs. Default: the plan's."),
     method: Optional[str] = typer.Option(None, help="Speculative method to tune (e.g. eagle, ngram). Default: the fastest measured one SGLang runs adaptive steps with (EAGLE), else the fastest measured."),
     exhaustive: bool = typer.Option(True, help="Also score an exhaustive grid of SGLang configs on the same bench (a minute or two)."),
+    refine: bool = typer.Option(False, help="After `spectune confirm`: keep at each batch size the slots of whichever confirmed config "
+                                "measured best there (no new trials); `spectune confirm` then measures it on new passes."),
 ) -> None:
     """Search SGLang adaptive configs on the measured traces; write adaptive_spec.json, vLLM and llama.cpp configs."""
     from spectune.tune import TuneOptions
@@ -106,7 +108,7 @@ def tune(
 
     outcome = run_tune(TuneOptions(results_dir=results, storage=storage, trials=trials, objective=objective, worker=worker, seed=seed,
                                    sglang_version=sglang_version, out_dir=out, draft_model=draft_model, method=method,
-                                   traffic=traffic, max_concurrency=max_concurrency, exhaustive=exhaustive), log=typer.echo)
+                                   traffic=traffic, max_concurrency=max_concurrency, exhaustive=exhaustive, refine=refine), log=typer.echo)
     if outcome.summary is not None:
         typer.echo(outcome.summary[["name", "speedup", "policy"]].to_string(index=False, float_format="%.3f"))
         typer.echo("\n".join(str(p) for p in outcome.files))
@@ -134,7 +136,7 @@ def confirm(
     outcome = run_confirm(ConfirmOptions(results_dir=results, tuned_dir=tuned, out_dir=out, max_passes=max_passes, min_passes=min_passes,
                                          run_passes=run_passes, batch_sizes=_ints(batch_sizes, "--batch-sizes"),
                                          max_foreign_cores=max_foreign_cores, max_slowdown=max_slowdown), log=typer.echo)
-    if not outcome.finished:
+    if not outcome.finished and not outcome.exhausted:
         again = " ".join(sys.argv[1:]).replace(f"--run-passes {run_passes}", "").strip() if run_passes else " ".join(sys.argv[1:])
         typer.echo(f"{outcome.passes} passes counted so far; not settled yet. Continue with: spectune {again}")
 

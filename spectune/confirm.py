@@ -213,9 +213,12 @@ def verdict_text(diffs: tuple[Difference, ...], metric_words: str, passes: int, 
     return f"tuned adaptive on {metric_words}: {body} ({tail})"
 
 
-def action_text(diffs: tuple[Difference, ...], finished: bool, static_steps: int | None = None) -> str:
+def action_text(diffs: tuple[Difference, ...], finished: bool, static_steps: int | None = None, exhausted: bool = False) -> str:
     """What to deploy, from a measured verdict: only what the intervals settle (a difference whose interval holds 0
     decides nothing), and nothing before the rule stopped."""
+    if not finished and exhausted:
+        return ("Not settled: every attempt was run and too many passes were disturbed to reach a look that settles it; "
+                "measure again on a quieter machine (a new --out) before deploying on this evidence.")
     if not finished:
         return "Not settled yet: run spectune confirm RESULTS again to add passes before deploying on this evidence."
     by_name = {d.name: d for d in diffs}
@@ -256,6 +259,7 @@ class ConfirmOutcome:
     finished: bool  # the rule stopped (or the cap was reached)
     verdict: dict | None  # what tuning.json "verdict" now holds (None before the first look's data)
     table: pd.DataFrame = field(default_factory=pd.DataFrame)  # per pass and server: the metric
+    exhausted: bool = False  # every attempt (twice the cap) was run and too many were disturbed to finish
 
 
 def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> ConfirmOutcome:
@@ -264,8 +268,8 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
     from spectune.sweep import run_sweep
 
     tuned_dir = options.tuned_dir or Path(options.results_dir) / "tuned"
-    out = options.out_dir or Path(options.results_dir) / "confirm"
     tuning = read_tuning(tuned_dir)
+    out = options.out_dir or default_out_dir(Path(options.results_dir), tuning)
     objective = tuning["objective"]
     metric, higher, words = METRICS[objective]
     sweep = load_run(options.results_dir)
@@ -273,6 +277,11 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
     cost = step_cost(sweep, tuning)
     look_schedule(options.min_passes, options.max_passes)  # bad bounds fail before anything runs
     out.mkdir(parents=True, exist_ok=True)
+    check_same_config(out, tuned_dir / "adaptive_spec.json")
+    alike = alike_batch_sizes(servers, raw)
+    if alike:
+        log(f"at batch size {', '.join(map(str, alike))} the tuned config runs SGLang's default's own slots: both are measured, "
+            "and there their difference counts as 0 (the two measurements pooled)")
     ran, decision, table, cache = 0, None, pd.DataFrame(), {}
     for i in range(2 * options.max_passes):  # disturbed passes are run again, up to as many more attempts
         pass_dir = out / f"pass-{i + 1:02d}"
@@ -287,7 +296,7 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
                 raise KeyboardInterrupt
             if outcome.failed:
                 raise SpectuneError(f"{pass_dir}: {outcome.failed} cell(s) failed; their causes are in {pass_dir}/cells/*.json")
-        table = pass_table(out, i + 1, metric, options.max_foreign_cores, cost, options.max_slowdown, cache)
+        table = pool_alike(pass_table(out, i + 1, metric, options.max_foreign_cores, cost, options.max_slowdown, cache), alike)
         if not table.empty and table.loc[table["pass"] == i + 1, "disturbed"].any():
             log(f"pass {i + 1}: disturbed (other work on this machine, or the engine ran more than {options.max_slowdown:.0%} slower than "
                 "in the other passes); not counted, run again")
@@ -301,10 +310,42 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
     n = len(gains) if decision is not None else 0
     verdict = None
     if decision is not None:
-        verdict = measured_verdict(decision, n, words, metric, objective, options, servers, out, table)
+        verdict = measured_verdict(decision, n, words, metric, objective, options, servers, out, table, alike,
+                                   exhausted=not decision.stop and attempts_used(out, options.max_passes))
         write_verdict(tuned_dir, verdict)
         log(verdict["text"])
-    return ConfirmOutcome(passes=n, finished=bool(decision and decision.stop), verdict=verdict, table=table)
+    finished = bool(decision and decision.stop)
+    exhausted = not finished and attempts_used(out, options.max_passes)
+    if exhausted:
+        log(f"all {2 * options.max_passes} attempts were run and only {n} passes counted (the others were disturbed): another call "
+            "adds nothing here; measure on a quieter machine with a new --out")
+    return ConfirmOutcome(passes=n, finished=finished, verdict=verdict, table=table, exhausted=exhausted)
+
+
+def attempts_used(out: Path, max_passes: int) -> bool:
+    """Whether every attempt a confirm may run (twice the cap: disturbed passes are run again) has been run."""
+    return all(pass_complete(out / f"pass-{i + 1:02d}") for i in range(2 * max_passes))
+
+
+def check_same_config(out: Path, config_file: Path) -> None:
+    """The passes in `out` measured one tuned config: the first call keeps a copy of it there, a later call with
+    another config (re-tuned since) is refused instead of mixing its passes with the old ones."""
+    from spectune.store import atomic_write_bytes
+
+    measured = out / "tuned-adaptive.json"
+    current = json.loads(config_file.read_text())
+    if not measured.exists():
+        atomic_write_bytes(measured, (json.dumps(current, indent=2) + "\n").encode())
+    elif json.loads(measured.read_text()) != current:
+        raise SpectuneError(f"{config_file}: not the config the passes in {out} measured ({measured}); the tuned config changed since. "
+                            f"Measure it with --out {out.parent / (out.name + '-new')}, or remove {out} to start over")
+
+
+def default_out_dir(results_dir: Path, tuning: dict) -> Path:
+    """RESULTS/confirm for a tuned config, RESULTS/confirm-<k> for its k-th round (spectune.refine): a refined
+    config is measured on new passes, never on the ones it was chosen on."""
+    round_ = int(tuning.get("refined", {}).get("round", 1))
+    return results_dir / ("confirm" if round_ == 1 else f"confirm-{round_}")
 
 
 def read_tuning(tuned_dir: Path) -> dict:
@@ -358,6 +399,32 @@ def confirm_plan(manifest: dict, tuning: dict, tuned_dir: Path, out: Path,
             raise SpectuneError(f"--batch-sizes: {unknown} were not swept; choose from {plan['batch_sizes']}")
         raw["batch_sizes"] = sorted(batch_sizes)
     return servers, raw
+
+
+def alike_batch_sizes(servers: list[dict], raw: dict) -> tuple[int, ...]:
+    """The batch sizes of a pass at which the tuned config decides exactly as SGLang's default for every batch the
+    run can form (1 up to that size: spectune.adaptive.runs_alike), e.g. where spectune.refine kept the default's
+    slots."""
+    from spectune.adaptive import AdaptiveConfig, runs_alike
+    from spectune.emit import never_drafts, sglang_launch_steps
+
+    configs = {s["name"]: AdaptiveConfig.from_file(s["adaptive_config"]) for s in servers if s["name"] in (TUNED, DEFAULT)}
+    tuned, default = configs[TUNED], configs[DEFAULT]
+    if never_drafts(tuned):
+        return ()
+    launch = (sglang_launch_steps(tuned), sglang_launch_steps(default))
+    return tuple(b for b in raw["batch_sizes"] if runs_alike(tuned, default, *launch, b))
+
+
+def pool_alike(table: pd.DataFrame, alike: tuple[int, ...]) -> pd.DataFrame:
+    """At the batch sizes where the tuned config and SGLang's default are one config (alike_batch_sizes), each pass's
+    two measurements of it are pooled: both get their mean, so their difference is 0 there and the comparisons with
+    the static servers use both measurements."""
+    if table.empty or not alike:
+        return table
+    pair = table["role"].isin([TUNED, DEFAULT]) & table["batch_size"].isin(alike)
+    pooled = table[pair].groupby(["pass", "batch_size"])["value"].transform("mean")
+    return table.assign(value=table["value"].where(~pair, pooled))
 
 
 def plan_servers(servers: list[dict], index: int) -> list[dict]:
@@ -440,15 +507,49 @@ def pass_gains(table: pd.DataFrame, higher_is_better: bool) -> pd.DataFrame:
     return gains.groupby(level="pass").mean().dropna()
 
 
+def batch_size_gains(table: pd.DataFrame, higher_is_better: bool, passes: int) -> list[dict]:
+    """Per batch size: the tuned server's mean gain (%) over each compared server, over the first `passes` counted
+    passes (the ones the verdict counts)."""
+    if table.empty:
+        return []
+    counted = sorted(table["pass"].unique())[:passes]
+    wide = table[table["pass"].isin(counted)].pivot_table(index=["pass", "batch_size"], columns="role", values="value")
+    sign = 1.0 if higher_is_better else -1.0
+    rows = []
+    for b, part in wide.groupby(level="batch_size"):
+        gains = {c: _finite(to_pct(float(np.mean(sign * np.log(part[TUNED] / part[c]))), higher_is_better)) for c in COMPARED if c in part}
+        rows.append({"batch_size": int(b), "gain_pct": gains})
+    return rows
+
+
+def split_text(by_batch_size: list[dict]) -> str:
+    """Where another measured config did better on average than the tuned config, when keeping the better one's slots
+    at each batch size gives a config of its own (spectune.refine); else ""."""
+    from spectune.refine import choose_slots
+
+    kept = [c.kept for c in choose_slots(by_batch_size)]
+    if len(set(kept)) < 2:  # the tuned config, or one other config, did best everywhere: the verdict already says which
+        return ""
+    behind = [str(r["batch_size"]) for r, k in zip(sorted(by_batch_size, key=lambda r: r["batch_size"]), kept) if k != TUNED]
+    return (f" On average over these passes another config did better at batch size {', '.join(behind)}: "
+            "`spectune tune RESULTS --refine` keeps the best measured slots at each batch size, and `spectune confirm RESULTS` "
+            "measures that on new passes.")
+
+
 def measured_verdict(decision: Decision, passes: int, words: str, metric: str, objective: str, options: ConfirmOptions,
-                     servers: list[dict], out: Path, table: pd.DataFrame) -> dict:
+                     servers: list[dict], out: Path, table: pd.DataFrame, alike: tuple[int, ...] = (), exhausted: bool = False) -> dict:
     capped = decision.stop and not all(d.settled for d in decision.differences)
     disturbed = sorted(int(p) for p in table.loc[table["disturbed"], "pass"].unique())
     table = table[~table["disturbed"]]
     means = table.groupby("role")["value"].mean()
+    higher = METRICS[objective][1]
+    by_batch_size = batch_size_gains(table, higher, passes) if table["batch_size"].nunique() > 1 else []
+    split = split_text(by_batch_size) if decision.stop else ""
     return {
         "text": verdict_text(decision.differences, words, passes, "measured", capped, _static_steps(servers)) + ". "
-                + action_text(decision.differences, decision.stop, _static_steps(servers)),
+                + action_text(decision.differences, decision.stop, _static_steps(servers), exhausted) + split + _alike_text(alike),
+        "by_batch_size": by_batch_size,
+        "alike_batch_sizes": list(alike),
         "source": "measured",
         "objective": objective,
         "metric": metric,
@@ -468,9 +569,17 @@ def measured_verdict(decision: Decision, passes: int, words: str, metric: str, o
                           f"more than {options.max_foreign_cores:g} cores of the machine or the engine's steps ran more than "
                           f"{options.max_slowdown:.0%} slower (against the tuning sweep's step costs) than in the same server's median pass"),
         "passes_not_counted": disturbed,
+        "attempts_exhausted": exhausted,
         "servers": [s["name"] for s in servers],
         "confirm_dir": str(out),
     }
+
+
+def _alike_text(alike: tuple[int, ...]) -> str:
+    if not alike:
+        return ""
+    return (f" At batch size {', '.join(map(str, alike))} the tuned config runs SGLang's default's own slots, so there the two "
+            "differ by 0 by construction (both were measured; their measurements are pooled).")
 
 
 def _static_steps(servers: list[dict]) -> int | None:

@@ -26,15 +26,17 @@ if TYPE_CHECKING:
     from spectune.tune import TuneOptions, TuneOutcome
 
 def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: TuneOptions, outdir: Path,
-             outcome: TuneOutcome, log: Callable[[str], None] = print) -> tuple[pd.DataFrame, list[Path]]:
-    """Compare the study's best config with the baselines; write the configs and tuning.json."""
+             outcome: TuneOutcome, log: Callable[[str], None] = print, tuned: AdaptiveConfig | None = None,
+             refined: dict | None = None) -> tuple[pd.DataFrame, list[Path]]:
+    """Compare the study's best config (or `tuned`, a refined one: spectune.refine) with the baselines; write the
+    configs and tuning.json."""
     from optuna.trial import TrialState
 
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if not complete:
         raise SpectuneError(f"study {outcome.study_name}: no completed trial to write configs from; run more --trials")
     best = max(complete, key=lambda t: t.value)
-    tuned = AdaptiveConfig.from_dict(best.user_attrs["config"], source=f"trial {best.number}")
+    tuned = tuned or AdaptiveConfig.from_dict(best.user_attrs["config"], source=f"trial {best.number}")
     summary, policies = compare(bench, tuned)
     assessed = assess(bench, tuned, summary, policies, options)
     deployments = write_configs(tuned, policies, bench, cells, manifest, options, outdir)
@@ -61,6 +63,7 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
         **assessed,
         **fit_report(bench.fit, cells, options.objective),
         "holdout": holdout_report(cells),
+        **({"refined": refined} if refined else {}),
         "files": [p.name for p in files],
         "notes": notes,
         "deploy": [d.to_dict() for d in deployments],

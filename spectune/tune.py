@@ -25,6 +25,7 @@ from spectune.costmodel import fastest_method, split_failed
 from spectune.emit import ADAPTIVE_ALGORITHMS, validate_sglang_config
 from spectune.errors import SpectuneError
 from spectune.holdout import holdout_lines
+from spectune.refine import kept_text, refine
 from spectune.scoring import Bench, Score, make_bench
 from spectune.search import open_study, redact, run_trials, trial_counts
 from spectune.simulate import StaticPolicy
@@ -48,6 +49,7 @@ class TuneOptions:
     traffic: str | None = None  # replay objectives: workload name or file with arrival_s; None = the sweep's
     max_concurrency: int | None = None  # replay objectives: requests in flight and engine slots; None = the sweep's largest batch size
     exhaustive: bool = True  # also score an exhaustive grid of SGLang configs (spectune.exhaustive; a minute or two)
+    refine: bool = False  # write the config that keeps the best measured slot per batch size (spectune.refine); no trials
 
 
 @dataclass(slots=True)
@@ -76,12 +78,16 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcom
     evaluate = lambda cfg: _evaluate(bench, cfg, options.sglang_version)
     if not study.trials:
         enqueue_start_points(study, bench)
-    run_trials(study, bench.space, evaluate, options.trials, log)
+    outdir = options.out_dir or Path(options.results_dir) / "tuned"
+    refined, record = refine(outdir) if options.refine and not options.worker else (None, None)
+    run_trials(study, bench.space, evaluate, 0 if refined else options.trials, log)
     outcome = TuneOutcome(study_name, redact(storage), *trial_counts(study))
     log(f"study {study_name}: {outcome.num_complete} complete, {outcome.num_failed} failed trials")
+    if record:
+        log(f"refined (round {record['round']}, from {record['passes']} measured passes): {kept_text(record)}")
     if not options.worker:
-        outdir = options.out_dir or Path(options.results_dir) / "tuned"
-        outcome.summary, outcome.files = finalize(study, bench, run.cells, run.manifest, options, outdir, outcome, log)
+        outcome.summary, outcome.files = finalize(study, bench, run.cells, run.manifest, options, outdir, outcome, log,
+                                                  tuned=refined, refined=record)
         outcome.verdict_lines = verdict_lines(outdir / "tuning.json")
         for line in holdout_lines(json.loads((outdir / "tuning.json").read_text()).get("holdout", {})):
             log(line)

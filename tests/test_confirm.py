@@ -132,3 +132,12 @@ def test_action_on_recorded_passes_never_deploys_the_tuned_config_on_noise(run):
         default = next(d for d in decision.differences if d.name == "sglang-default")
         assert ("Deploy the tuned" in action) == (decision.stop and default.lo_pct > 0
                                                   and all(d.hi_pct >= 0 for d in decision.differences))
+
+
+def test_action_when_every_attempt_was_run_says_another_call_adds_nothing():
+    from spectune.confirm import DEFAULT, Difference, action_text
+
+    diffs = (Difference(DEFAULT, "SGLang's default", 14, 0.9, -0.6, 2.5, 0.98),)
+    assert "run spectune confirm RESULTS again" in action_text(diffs, finished=False)
+    exhausted = action_text(diffs, finished=False, exhausted=True)
+    assert "again" not in exhausted.split(";")[0] and "quieter machine" in exhausted and "Deploy" not in exhausted

@@ -55,6 +55,9 @@ class Tuning:
     notes: list[str]
     # held-out prediction error (spectune.holdout.holdout_summary): holdout, method, cells, <metric>_mean/max_abs_pct
     holdout: pd.DataFrame = field(default_factory=pd.DataFrame)
+    # the measured verdict per batch size: batch_size, then the tuned config's gain (%) over each compared config
+    verdict_by_batch_size: pd.DataFrame = field(default_factory=pd.DataFrame)
+    refined: str | None = None  # how the tuned config was refined from measurements (spectune.refine), if it was
 
 
 @dataclass(slots=True)
@@ -274,7 +277,28 @@ def read_tuning(results: Path) -> Tuning | None:
         files=[str(f) for f in raw.get("files") or []],
         notes=[str(n) for n in raw.get("notes") or []],
         holdout=pd.DataFrame([r for r in (raw.get("holdout") or {}).get("summary") or [] if isinstance(r, dict)]),
+        verdict_by_batch_size=_by_batch_size(raw.get("verdict")),
+        refined=_refined_text(raw.get("refined")),
     )
+
+
+def _by_batch_size(verdict: object) -> pd.DataFrame:
+    rows = verdict.get("by_batch_size") if isinstance(verdict, dict) else None
+    rows = [{"batch_size": r["batch_size"], **(r.get("gain_pct") or {})} for r in rows or [] if isinstance(r, dict) and "batch_size" in r]
+    return pd.DataFrame(rows)
+
+
+def _refined_text(record: object) -> str | None:
+    if not isinstance(record, dict) or not isinstance(record.get("slots_kept"), list):
+        return None
+    from spectune.refine import kept_text
+
+    try:
+        kept = kept_text(record)
+    except (KeyError, TypeError):
+        return None
+    return (f"Refined from measurement (round {record.get('round')}): from each measured batch size on, the slots of the config "
+            f"that measured best there over {record.get('passes')} passes of the previous round ({kept}); measured again on new passes.")
 
 
 def describe_policy(policy: object, fallback: str) -> str:

@@ -165,6 +165,18 @@ def tuning_table(data: ReportData) -> Table:
                   [False, False, True, True], [False, False, False, False])
 
 
+def verdict_table(data: ReportData) -> Table:
+    """The measured verdict per batch size: the tuned config's mean gain over each config it was measured against."""
+    t = data.tuning
+    if t is None or t.verdict_by_batch_size.empty:
+        return _table([], [], [])
+    names = {"sglang-default": "vs SGLang's default", "static": "vs the best static g", "target": "vs target-only"}
+    cols = [c for c in names if c in t.verdict_by_batch_size]
+    rows = [[str(int(r["batch_size"]))] + [f"{r[c]:+.1f}%" if num(r[c]) else "" for c in cols]
+            for r in t.verdict_by_batch_size.sort_values("batch_size").to_dict("records")]
+    return _table(rows, ["batch size"] + [names[c] for c in cols], [True] * (len(cols) + 1), [False] * (len(cols) + 1))
+
+
 def holdout_table(data: ReportData) -> Table:
     """The cost model's error on cells its fit did not see (spectune.holdout), per way of holding out and method."""
     t = data.tuning
@@ -314,6 +326,7 @@ def context(data: ReportData, plots: list[Plot]) -> dict:
         "memory": memory_table(data),
         "tuning_table": tuning_table(data),
         "holdout": holdout_table(data),
+        "verdict_table": verdict_table(data),
         "methods": method_tables(data),
         "flagged": flagged_table(data),
         "samples": samples_table(data),
