@@ -88,6 +88,9 @@ def refine(tuned_dir: Path) -> tuple[AdaptiveConfig, dict]:
     if verdict.get("source") != "measured" or not verdict.get("by_batch_size"):
         raise SpectuneError(f"{path}: no measured verdict by batch size to refine from; run `spectune confirm RESULTS` first "
                             "(with this spectune version)")
+    if not verdict.get("finished") and verdict.get("attempts_exhausted"):
+        raise SpectuneError(f"{path}: the measured verdict did not settle in every attempt its confirm allows ({verdict.get('passes')} "
+                            "passes counted); measure again on a quieter machine (spectune confirm RESULTS --out NEW_DIR), then refine")
     if not verdict.get("finished"):
         raise SpectuneError(f"{path}: the measured verdict is not settled yet ({verdict.get('passes')} passes); run `spectune confirm "
                             "RESULTS` until it stops, then refine")

@@ -67,6 +67,8 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcom
     if options.objective not in OBJECTIVES:
         raise SpectuneError(f"--objective {options.objective!r}: must be one of {', '.join(OBJECTIVES)}")
     run = load_results(options.results_dir)
+    outdir = options.out_dir or Path(options.results_dir) / "tuned"
+    refined, record = refine(outdir) if options.refine and not options.worker else (None, None)  # before the bench: fails fast
     method = options.method or sglang_method(run.cells)
     bench = make_bench(run, options.objective, options.seed, method, options.traffic, options.max_concurrency)
     storage = options.storage or f"sqlite:///{Path(options.results_dir).resolve() / 'study.db'}"
@@ -78,8 +80,6 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcom
     evaluate = lambda cfg: _evaluate(bench, cfg, options.sglang_version)
     if not study.trials:
         enqueue_start_points(study, bench)
-    outdir = options.out_dir or Path(options.results_dir) / "tuned"
-    refined, record = refine(outdir) if options.refine and not options.worker else (None, None)
     run_trials(study, bench.space, evaluate, 0 if refined else options.trials, log)
     outcome = TuneOutcome(study_name, redact(storage), *trial_counts(study))
     log(f"study {study_name}: {outcome.num_complete} complete, {outcome.num_failed} failed trials")

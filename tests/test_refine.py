@@ -101,6 +101,8 @@ def test_refine_archives_the_measured_round_and_records_what_it_kept(tmp_path):
     (None, "no measured verdict"),
     ({"source": "simulated", "text": "x"}, "no measured verdict"),
     ({"source": "measured", "finished": False, "passes": 5, "by_batch_size": [_row(1, sglang_default=-1.0)]}, "not settled yet"),
+    ({"source": "measured", "finished": False, "attempts_exhausted": True, "passes": 14, "by_batch_size": [_row(1, sglang_default=-1.0)]},
+     "quieter machine"),
     ({"source": "measured", "finished": True, "passes": 20, "text": "t", "by_batch_size": [_row(1, sglang_default=1.0, static=2.0)]},
      "nothing to refine"),
 ])
@@ -137,3 +139,22 @@ def test_pooling_makes_the_difference_zero_where_alike_and_keeps_both_measuremen
 
     assert np.allclose(gains["sglang-default"], np.log(130 / 120) / 2)  # batch 1 adds exactly 0
     assert np.allclose(gains["static"], (np.log(105 / 90) + np.log(130 / 100)) / 2)
+
+
+def test_report_shows_the_measured_verdict_per_batch_size_and_what_refine_kept(tmp_path):
+    from types import SimpleNamespace
+
+    from spectune.report.data import read_tuning
+    from spectune.report.render import verdict_table
+
+    rows = [_row(1, sglang_default=0.0, static=13.6, target=44.3), _row(64, sglang_default=5.4, static=-3.0, target=8.0)]
+    record = {"round": 2, "passes": 10, "slots_kept": [{"batch_size": 1, "kept": "sglang-default"}, {"batch_size": 64, "kept": "tuned"}]}
+    (tmp_path / "tuned").mkdir()
+    (tmp_path / "tuned" / "tuning.json").write_text(json.dumps({
+        "verdict": {"source": "measured", "text": "tuned adaptive ...", "by_batch_size": rows, "alike_batch_sizes": [1]},
+        "refined": record}))
+    tuning = read_tuning(tmp_path)
+    table = verdict_table(SimpleNamespace(tuning=tuning))
+    assert table.headers == ["batch size", "vs SGLang's default", "vs the best static g", "vs target-only"]
+    assert table.rows == [["1", "0 (its own slots)", "+13.6%", "+44.3%"], ["64", "+5.4%", "-3.0%", "+8.0%"]]
+    assert "round 2" in tuning.refined and "batch 1: SGLang's default; batch 64: the tuned config" in tuning.refined

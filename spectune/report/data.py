@@ -284,7 +284,9 @@ def read_tuning(results: Path) -> Tuning | None:
 
 def _by_batch_size(verdict: object) -> pd.DataFrame:
     rows = verdict.get("by_batch_size") if isinstance(verdict, dict) else None
-    rows = [{"batch_size": r["batch_size"], **(r.get("gain_pct") or {})} for r in rows or [] if isinstance(r, dict) and "batch_size" in r]
+    alike = set(verdict.get("alike_batch_sizes") or []) if isinstance(verdict, dict) else set()
+    rows = [{"batch_size": r["batch_size"], "alike": r["batch_size"] in alike, **(r.get("gain_pct") or {})}
+            for r in rows or [] if isinstance(r, dict) and "batch_size" in r]
     return pd.DataFrame(rows)
 
 

@@ -172,8 +172,12 @@ def verdict_table(data: ReportData) -> Table:
         return _table([], [], [])
     names = {"sglang-default": "vs SGLang's default", "static": "vs the best static g", "target": "vs target-only"}
     cols = [c for c in names if c in t.verdict_by_batch_size]
-    rows = [[str(int(r["batch_size"]))] + [f"{r[c]:+.1f}%" if num(r[c]) else "" for c in cols]
-            for r in t.verdict_by_batch_size.sort_values("batch_size").to_dict("records")]
+    def cell(r: dict, c: str) -> str:
+        if c == "sglang-default" and r.get("alike"):
+            return "0 (its own slots)"
+        return f"{r[c]:+.1f}%" if num(r[c]) else ""
+
+    rows = [[str(int(r["batch_size"]))] + [cell(r, c) for c in cols] for r in t.verdict_by_batch_size.sort_values("batch_size").to_dict("records")]
     return _table(rows, ["batch size"] + [names[c] for c in cols], [True] * (len(cols) + 1), [False] * (len(cols) + 1))
 
 
