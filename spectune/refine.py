@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spectune.adaptive import SGLANG_DEFAULT_CONFIG, AdaptiveConfig, SlotConfig
+from spectune.emit import never_drafts
 from spectune.errors import SpectuneError
 
 # confirm's server roles, in the order a tie is broken (keep what is already tuned)
 ROLES = ("tuned", "sglang-default", "static", "target")
+WORDS = {"tuned": "the tuned config", "sglang-default": "SGLang's default", "static": "the best static g", "target": "target-only"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,9 +101,15 @@ def refine(tuned_dir: Path) -> tuple[AdaptiveConfig, dict]:
     choices = choose_slots(verdict["by_batch_size"])
     refined = merge_slots(choices, slot_sources(tuned, int(static) if static is not None else None))
     previous_round = int(report.get("refined", {}).get("round", 1))
-    if refined.to_dict() == tuned.to_dict():
-        raise SpectuneError(f"{path}: the tuned config measured best at every batch size ({', '.join(str(c.batch_size) for c in choices)}); "
-                            "nothing to refine")
+    sizes = ", ".join(str(c.batch_size) for c in choices)
+    kept = {c.kept for c in choices}
+    if refined.to_dict() == tuned.to_dict() or kept == {"tuned"}:
+        raise SpectuneError(f"{path}: the tuned config measured best at every batch size ({sizes}); nothing to refine")
+    if len(kept) == 1:
+        raise SpectuneError(f"{path}: {WORDS[kept.pop()]} measured best at every batch size ({sizes}); deploy it, there is nothing to combine")
+    if never_drafts(refined):
+        raise SpectuneError(f"{path}: the slots that measured best never draft (target-only or g = 0 at every batch size: {sizes}); "
+                            "launch without speculative decoding")
     archive = tuned_dir / f"round-{previous_round}"
     archive.mkdir(parents=True, exist_ok=True)
     for name in ("adaptive_spec.json", "tuning.json", "deploy.md"):
@@ -130,5 +138,4 @@ def round_of(tuned_dir: Path) -> int:
 
 
 def kept_text(record: dict) -> str:
-    words = {"tuned": "the tuned config", "sglang-default": "SGLang's default", "static": "the best static g", "target": "target-only"}
-    return "; ".join(f"batch {c['batch_size']}: {words[c['kept']]}" for c in record["slots_kept"])
+    return "; ".join(f"batch {c['batch_size']}: {WORDS[c['kept']]}" for c in record["slots_kept"])

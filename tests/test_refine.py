@@ -74,14 +74,14 @@ def test_batch_size_gains_and_the_refine_hint_from_a_pass_table():
     assert split_text([_row(1, sglang_default=3.0, static=1.0, target=5.0)]) == ""  # tuned best everywhere: nothing to say
 
 
-def _tuning(tmp_path: Path, verdict: dict | None) -> Path:
+def _tuning(tmp_path: Path, verdict: dict | None, tuned: AdaptiveConfig = TUNED) -> Path:
     tuned_dir = tmp_path / "tuned"
     tuned_dir.mkdir()
-    report = {"policies": {"tuned_adaptive": TUNED.to_dict(), "best_static": {"steps": 3}}}
+    report = {"policies": {"tuned_adaptive": tuned.to_dict(), "best_static": {"steps": 3}}}
     if verdict is not None:
         report["verdict"] = verdict
     (tuned_dir / "tuning.json").write_text(json.dumps(report))
-    (tuned_dir / "adaptive_spec.json").write_text(json.dumps(TUNED.to_dict()))
+    (tuned_dir / "adaptive_spec.json").write_text(json.dumps(tuned.to_dict()))
     return tuned_dir
 
 
@@ -105,6 +105,9 @@ def test_refine_archives_the_measured_round_and_records_what_it_kept(tmp_path):
      "quieter machine"),
     ({"source": "measured", "finished": True, "passes": 20, "text": "t", "by_batch_size": [_row(1, sglang_default=1.0, static=2.0)]},
      "nothing to refine"),
+    ({"source": "measured", "finished": True, "passes": 20, "text": "t",
+      "by_batch_size": [_row(1, sglang_default=-1.0, static=2.0), _row(4, sglang_default=-3.0, static=2.0)]}, "nothing to combine"),
+
 ])
 def test_refine_refuses_without_a_settled_verdict_or_anything_to_change(tmp_path, verdict, words):
     with pytest.raises(SpectuneError, match=words):
@@ -158,3 +161,10 @@ def test_report_shows_the_measured_verdict_per_batch_size_and_what_refine_kept(t
     assert table.headers == ["batch size", "vs SGLang's default", "vs the best static g", "vs target-only"]
     assert table.rows == [["1", "0 (its own slots)", "+13.6%", "+44.3%"], ["64", "+5.4%", "-3.0%", "+8.0%"]]
     assert "round 2" in tuning.refined and "batch 1: SGLang's default; batch 64: the tuned config" in tuning.refined
+
+
+def test_refine_refuses_a_config_whose_best_slots_never_draft(tmp_path):
+    tuned = AdaptiveConfig({1: SlotConfig([1, 3]), 4: SlotConfig([0])})
+    rows = [_row(1, sglang_default=1.0, static=2.0, target=-1.0), _row(4, sglang_default=3.0, static=1.0, target=0.5)]
+    with pytest.raises(SpectuneError, match="never draft"):  # target-only at batch 1, the tuned [0] from batch 4 on
+        refine(_tuning(tmp_path, {"source": "measured", "finished": True, "passes": 20, "text": "t", "by_batch_size": rows}, tuned))
