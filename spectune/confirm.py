@@ -344,7 +344,9 @@ def check_same_config(out: Path, config_file: Path) -> None:
 def default_out_dir(results_dir: Path, tuning: dict) -> Path:
     """RESULTS/confirm for a tuned config, RESULTS/confirm-<k> for its k-th round (spectune.refine): a refined
     config is measured on new passes, never on the ones it was chosen on."""
-    round_ = int(tuning.get("refined", {}).get("round", 1))
+    from spectune.refine import round_in
+
+    round_ = round_in(tuning)
     return results_dir / ("confirm" if round_ == 1 else f"confirm-{round_}")
 
 

@@ -100,7 +100,7 @@ def refine(tuned_dir: Path) -> tuple[AdaptiveConfig, dict]:
     static = report.get("policies", {}).get("best_static", {}).get("steps")
     choices = choose_slots(verdict["by_batch_size"])
     refined = merge_slots(choices, slot_sources(tuned, int(static) if static is not None else None))
-    previous_round = int(report.get("refined", {}).get("round", 1))
+    previous_round = round_in(report)
     sizes = ", ".join(str(c.batch_size) for c in choices)
     kept = {c.kept for c in choices}
     if refined.to_dict() == tuned.to_dict() or kept == {"tuned"}:
@@ -129,10 +129,15 @@ def refine(tuned_dir: Path) -> tuple[AdaptiveConfig, dict]:
     return refined, record
 
 
+def round_in(report: dict) -> int:
+    """A tuning.json's round: 1 as tuned, k after k - 1 refinements."""
+    return int(report.get("refined", {}).get("round", 1))
+
+
 def round_of(tuned_dir: Path) -> int:
-    """The tuned config's round: 1 as tuned, k after k - 1 refinements."""
+    """round_in of tuned_dir/tuning.json (1 where there is none)."""
     try:
-        return int(json.loads((tuned_dir / "tuning.json").read_text()).get("refined", {}).get("round", 1))
+        return round_in(json.loads((tuned_dir / "tuning.json").read_text()))
     except (OSError, ValueError):
         return 1
 
