@@ -50,6 +50,9 @@ class Plan:
     slo_e2e_ms: float | None = None
     budget: float | None = None  # guided sweep (spectune.guided): measure at most this share of the (server, batch size) cells
     workers: int = 1  # load-generator processes per cell (spectune.loadworkers): more when one client core saturates
+    # every server up at once, cells repeat by repeat and server after server at each batch size (spectune.sweep):
+    # host speed drift falls on all servers alike; needs the memory of all servers together
+    interleave: bool = False
     servers: tuple[ServerSpec, ...] = ()
 
     def num_prompts(self, batch_size: int) -> int:
@@ -63,7 +66,7 @@ _PLAN_KEYS = {f.name for f in dataclasses.fields(Plan)} - {"servers"}
 _SERVER_KEYS = {f.name for f in dataclasses.fields(ServerSpec)}
 # keys added after runs were recorded: left out of the dict (and the digest) at their defaults, so older runs resume
 _LATER_KEYS = {"request_rates": (), "burstiness": 1.0, "slo_ttft_ms": None, "slo_tpot_ms": None, "slo_e2e_ms": None, "budget": None,
-               "workers": 1}
+               "workers": 1, "interleave": False}
 
 
 def plan_to_dict(plan: Plan) -> dict:
@@ -138,6 +141,9 @@ def _check_types(fields: dict, source: str) -> None:
             v = fields[key]
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise SpectuneError(f"{source}: {key} = {v!r}: must be a number > 0")
+    for key in ("ignore_eos", "interleave"):
+        if key in fields and not isinstance(fields[key], bool):
+            raise SpectuneError(f"{source}: {key} = {fields[key]!r}: must be true or false")
     if fields.get("budget") is not None:
         v = fields["budget"]
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1:

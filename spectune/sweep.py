@@ -145,11 +145,14 @@ def _run_sweep(plan: Plan, out: Path, *, resume: bool, progress: SweepProgress, 
         todo = [c for c in wanted if c.id not in done_ids]
         outcome.skipped = len(wanted) - len(todo)
         progress.start(len(todo), outcome.skipped, [s.name for s in plan.servers if any(c.server.name == s.name for c in todo)])
-        for spec in plan.servers:
-            interrupt.check()
-            cells = [c for c in todo if c.server.name == spec.name]
-            if cells:
-                _run_server(plan, store, spec, cells, outcome, progress)
+        if plan.interleave:
+            _run_interleaved(plan, store, todo, outcome, progress)
+        else:
+            for spec in plan.servers:
+                interrupt.check()
+                cells = [c for c in todo if c.server.name == spec.name]
+                if cells:
+                    _run_server(plan, store, spec, cells, outcome, progress)
     except KeyboardInterrupt:
         outcome.interrupted = True
     finally:
@@ -185,49 +188,87 @@ def _preflight(plan: Plan) -> None:
         check_tokenizers(spec)
 
 
+class _Live:
+    """One server of the plan: launched on first use, relaunched when it died; `failed` once it never got ready."""
+
+    def __init__(self, plan: Plan, store: RunStore, spec: ServerSpec, progress: SweepProgress):
+        from spectune.servers import make_server
+
+        self.spec, self.store, self.progress = spec, store, progress
+        self.server = make_server(spec, store.log_dir(), round_log=store.round_log_path(spec.name), max_batch_size=max(plan.batch_sizes))
+        self.tokenizer = _served_tokenizer(spec)
+        self.started = False
+        self.failed: str | None = None
+
+    def ready(self) -> bool:
+        if self.failed is not None:
+            return False
+        if self.started and self.server.alive():
+            return True
+        spec = self.spec
+        self.progress.server_starting(spec.name, spec.engine, restart=self.started, url=spec.url)
+        self.server.stop()
+        began = time.monotonic()
+        try:
+            self.server.start()
+        except SpectuneError as e:
+            self.failed = f"{'could not attach' if spec.url else 'server did not start'}: {e}"
+            self.progress.server_failed(spec.name, self.failed)
+            return False
+        self.progress.server_ready(spec.name, time.monotonic() - began)
+        self.started = True
+        engines = self.store.manifest["engines"]
+        engines[spec.name] = {"engine": spec.engine, "version": self.server.engine_version(), "pid": self.server.pid()}
+        exposes = getattr(self.server, "exposes", None)  # an attached server: what it was found to tell about itself
+        if exposes is not None:
+            engines[spec.name]["exposes"] = exposes
+            self.progress.message(f"[{spec.name}] acceptance from: {', '.join(exposes) or 'nothing (no speculative counters found)'}")
+        with interrupt.critical():
+            self.store.save_manifest()
+        return True
+
+    def measure(self, plan: Plan, cell: Cell, outcome: SweepOutcome) -> None:
+        """Measure `cell`, or write it failed when this server cannot be got ready."""
+        if not self.ready():
+            with interrupt.critical():
+                self.store.write_cell({**_cell_header(plan, cell, traffic_for(plan, cell.batch_size, cell.request_rate)[2]),
+                                       "status": "failed", "error": self.failed, "finished_at": _now()}, None)
+                outcome.failed += 1
+            return
+        row = _measure_cell(plan, self.store, self.server, cell, self.progress, self.tokenizer)
+        if row["status"] == "failed":
+            outcome.failed += 1
+        else:
+            outcome.done += 1
+        with interrupt.critical():
+            _update_progress(self.store, plan, outcome)
+
+
 def _run_server(plan: Plan, store: RunStore, spec: ServerSpec, cells: list[Cell], outcome: SweepOutcome,
                 progress: SweepProgress) -> None:
-    from spectune.servers import make_server
-
-    server = make_server(spec, store.log_dir(), round_log=store.round_log_path(spec.name), max_batch_size=max(plan.batch_sizes))
-    tokenizer = _served_tokenizer(spec)
-    started = False
+    live = _Live(plan, store, spec, progress)
     try:
-        for i, cell in enumerate(cells):
+        for cell in cells:
             interrupt.check()
-            if not started or not server.alive():
-                progress.server_starting(spec.name, spec.engine, restart=started, url=spec.url)
-                server.stop()
-                began = time.monotonic()
-                try:
-                    server.start()
-                except SpectuneError as e:  # never ready: fail this server's remaining cells, go on with the next server
-                    what = "could not attach" if spec.url else "server did not start"
-                    with interrupt.critical():
-                        for rest in cells[i:]:
-                            store.write_cell({**_cell_header(plan, rest, traffic_for(plan, rest.batch_size, rest.request_rate)[2]),
-                                              "status": "failed", "error": f"{what}: {e}", "finished_at": _now()}, None)
-                            outcome.failed += 1
-                    progress.server_failed(spec.name, f"{what}: {e}")
-                    return
-                progress.server_ready(spec.name, time.monotonic() - began)
-                started = True
-                store.manifest["engines"][spec.name] = {"engine": spec.engine, "version": server.engine_version(), "pid": server.pid()}
-                exposes = getattr(server, "exposes", None)  # an attached server: what it was found to tell about itself
-                if exposes is not None:
-                    store.manifest["engines"][spec.name]["exposes"] = exposes
-                    progress.message(f"[{spec.name}] acceptance from: {', '.join(exposes) or 'nothing (no speculative counters found)'}")
-                with interrupt.critical():
-                    store.save_manifest()
-            row = _measure_cell(plan, store, server, cell, progress, tokenizer)
-            if row["status"] == "failed":
-                outcome.failed += 1
-            else:
-                outcome.done += 1
-            with interrupt.critical():
-                _update_progress(store, plan, outcome)
+            live.measure(plan, cell, outcome)
     finally:
-        server.stop()
+        live.server.stop()
+
+
+def _run_interleaved(plan: Plan, store: RunStore, cells: list[Cell], outcome: SweepOutcome, progress: SweepProgress) -> None:
+    """plan.interleave: every server up at once, cells repeat by repeat and, at each batch size, server after server,
+    so a change in the host's speed during the sweep falls on every server alike (speedups pair cells measured
+    seconds apart, not one server's whole sweep apart)."""
+    order = {s.name: i for i, s in enumerate(plan.servers)}
+    cells = sorted(cells, key=lambda c: (c.repeat, plan.batch_sizes.index(c.batch_size), c.request_rate or 0.0, order[c.server.name]))
+    lives = {s.name: _Live(plan, store, s, progress) for s in plan.servers if any(c.server.name == s.name for c in cells)}
+    try:
+        for cell in cells:
+            interrupt.check()
+            lives[cell.server.name].measure(plan, cell, outcome)
+    finally:
+        for live in lives.values():
+            live.server.stop()
 
 
 def _served_tokenizer(spec: ServerSpec):

@@ -17,7 +17,8 @@ from sweep_helpers import sweep_cmd, write_plan
 
 REPO = Path(__file__).resolve().parent.parent
 # A draft made from the shipped target plus noise (plan key draft_noise): 0.02 drafts almost what the target
-# says, 1.0 almost never; the server and its traffic are otherwise the same.
+# says, 1.0 almost never; the server and its traffic are otherwise the same. Interleaved: this host's speed drifts
+# by a quarter within a minute, and speedups pair each draft cell with the target cell measured just before it.
 PLAN = """
 name = "gate"
 workload = "code"
@@ -27,6 +28,7 @@ max_tokens = 16
 prompts_per_slot = 2
 min_prompts = 4
 warmup_per_slot = 1
+interleave = true
 
 [[servers]]
 name = "target"
@@ -61,8 +63,7 @@ def again(tmp_path_factory, base) -> Path:
 
 @pytest.fixture(scope="module")
 def slow(tmp_path_factory, base) -> Path:
-    # drafts that are almost never accepted, and twice as many of them: each round costs more and yields less. Big on
-    # purpose: the sweep measures target-only before the draft, and this host's speed drifts by 25% between them.
+    # drafts that are almost never accepted, and twice as many of them: each round costs more and yields less.
     return _sweep(tmp_path_factory, "slow", 1.0, steps=6)
 
 

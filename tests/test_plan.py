@@ -60,6 +60,7 @@ BAD_PLANS = [
     ('schedule = "open"\n[[servers]]\nname = "t"\n', "\"poisson\" (open loop at request_rates)"),
     ('burstiness = 0\n[[servers]]\nname = "t"\n', "burstiness = 0: must be a number > 0"),
     ('slo_ttft_ms = -5\n[[servers]]\nname = "t"\n', "slo_ttft_ms = -5: must be a number > 0"),
+    ('interleave = "yes"\n[[servers]]\nname = "t"\n', "interleave = 'yes': must be true or false"),
     ('[[servers]]\nname = "t"\ntokenizer = "/no/such/dir"\n', "server 't': tokenizer: cannot read a tokenizer at /no/such/dir"),
 ]
 

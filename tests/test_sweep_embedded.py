@@ -53,3 +53,27 @@ def test_sweep_writes_results_with_identical_traffic_and_identical_greedy_text(t
     assert "speedup" in page and "data:image/png;base64" in page
     md = (tmp_path / "report" / "report.md").read_text()
     assert "| draft |" in md or "draft" in md
+
+
+def test_interleaved_sweep_runs_repeat_by_repeat_with_every_server_up_once(tmp_path):
+    """interleave = true: cells go repeat by repeat and, at each batch size, server after server (speedups pair cells
+    measured seconds apart); each server launches once and the outputs are still lossless."""
+    plan = SMALL_PLAN.replace("repeats = 1", "repeats = 2\ninterleave = true")
+    out = tmp_path / "run"
+    proc = subprocess.run(sweep_cmd(str(write_plan(tmp_path, plan)), "--out", str(out)), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    finished = [line.split()[:3] for line in lines if " r=" in line and " ok" in line]
+    servers = ["[target]", "[draft]", "[ngram]"]
+    assert finished == [[s, f"bs={bs}", f"r={r}"] for r in (0, 1) for bs in (1, 3) for s in servers], finished
+    assert [line.split()[0] for line in lines if line.endswith("starting embedded server")] == servers
+    cells = pd.read_parquet(out / "cells.parquet")
+    assert len(cells) == 12 and (cells["status"] == "ok").all()
+    assert json.loads((out / "run.json").read_text())["plan"]["interleave"] is True
+    requests = pd.read_parquet(out / "requests.parquet")
+    requests["server"] = requests["cell"].str.split("__").str[0]
+    requests["bs"] = requests["cell"].str.split("__").str[1]
+    requests["repeat"] = requests["cell"].str.split("__").str[2]
+    texts = requests.pivot_table(index=["bs", "repeat", "index"], columns="server", values="text", aggfunc="first")
+    assert len(texts) == 2 * (4 + 6)
+    assert (texts["draft"] == texts["target"]).all() and (texts["ngram"] == texts["target"]).all()
