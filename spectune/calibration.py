@@ -31,13 +31,15 @@ MIN_STEPS = 10  # steps per (batch size, width) below which a median wall is not
 
 
 def quiet_cells(cells: pd.DataFrame, max_foreign: float = MAX_FOREIGN_CORES) -> pd.DataFrame:
-    """The ok cells measured while other work used at most max_foreign cores (all ok cells when the sweep did
-    not record it, or when none was that quiet)."""
+    """The ok cells measured while other work used at most max_foreign cores, and for each (server, batch size)
+    with none that quiet its least disturbed cell: a busy moment must not leave the fit without a batch size it
+    needs (all ok cells when the sweep did not record other work)."""
     ok = cells[cells["status"] == "ok"]
-    if "foreign_cpu_cores" not in ok:
+    if "foreign_cpu_cores" not in ok or ok.empty:
         return ok
-    quiet = ok[ok["foreign_cpu_cores"].fillna(0.0) <= max_foreign]
-    return quiet if not quiet.empty else ok
+    foreign = ok["foreign_cpu_cores"].fillna(0.0)
+    least = foreign.groupby([ok["server"], ok["batch_size"]]).transform("min")
+    return ok[(foreign <= max_foreign) | ((foreign == least) & (least > max_foreign))]
 
 
 @dataclass(frozen=True, slots=True)
