@@ -368,7 +368,8 @@ def confirm_plan(manifest: dict, tuning: dict, tuned_dir: Path, out: Path,
                  batch_sizes: tuple[int, ...] | None) -> tuple[list[dict], dict]:
     """The four servers (target-only, the best static g, the tuned config, SGLang's default; all of the tuned
     engine and method, as the sweep launched them) and the traffic of a pass: the replayed traffic on its arrival
-    times for the replay objectives, else the sweep's closed loop."""
+    times for the replay objectives, else the sweep's closed loop. On the embedded engine the pass is interleaved
+    (plan.interleave), as the sweep plan may ask on any engine."""
     from spectune.adaptive import SGLANG_DEFAULT_CONFIG
     from spectune.emit import write_sglang_config
 
@@ -391,6 +392,8 @@ def confirm_plan(manifest: dict, tuning: dict, tuned_dir: Path, out: Path,
     ]
     raw = {k: v for k, v in plan.items() if k not in ("servers", "name")}
     raw |= {"name": "confirm", "repeats": 1}
+    if engine == "embedded":  # four small servers fit at once: each batch size's four cells run back to back
+        raw["interleave"] = True
     if "traffic" in tuning:  # a replay objective: the replayed traffic, once, on its arrival times
         source = tuning.get("traffic_source") or plan["workload"]
         raw |= {"workload": source, "schedule": "trace", "batch_sizes": [tuning["traffic"]["max_num_seqs"]],

@@ -74,7 +74,7 @@ def test_confirm_runs_rotated_paired_passes_resumes_and_writes_a_measured_verdic
         assert (run.cells["status"] == "ok").all() and len(run.cells) == 4
         orders.append([s["name"] for s in run.manifest["plan"]["servers"]])
         digests |= set(run.cells["traffic_digest"])
-        assert run.manifest["plan"]["schedule"] == "trace"
+        assert run.manifest["plan"]["schedule"] == "trace" and run.manifest["plan"]["interleave"] is True
     assert len(digests) == 1  # identical traffic in every pass
     assert orders[1] == orders[0][1:] + orders[0][:1]  # rotated by one server per pass
     roles = {TARGET, TUNED, DEFAULT}
