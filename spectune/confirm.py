@@ -299,7 +299,7 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
         table = pool_alike(pass_table(out, i + 1, metric, options.max_foreign_cores, cost, options.max_slowdown, cache), alike)
         if not table.empty and table.loc[table["pass"] == i + 1, "disturbed"].any():
             log(f"pass {i + 1}: disturbed (other work on this machine, or the engine ran more than {options.max_slowdown:.0%} slower than "
-                "in the other passes); not counted, run again")
+                "in the other passes, or than the pass's other cells when interleaved); not counted, run again")
         gains = pass_gains(table[~table["disturbed"]], higher) if not table.empty else pass_gains(table, higher)
         # a pass judged disturbed earlier can count later (the median moved): never count more than the cap
         gains = gains.iloc[: options.max_passes]
@@ -465,7 +465,9 @@ def pass_table(out: Path, num_passes: int, metric: str, max_foreign_cores: float
     """One row per finished pass, server and batch size: the metric (role: tuned, sglang-default, static, target), the
     cores other work used meanwhile, the engine's speed index (spectune.calibration.speed_index, with `cost`), and
     whether the pass was disturbed: a cell above max_foreign_cores, or with a speed index more than max_slowdown
-    above the median of the same server and batch size over the passes. A disturbed pass is not counted. `cache`
+    above the median of the same server and batch size over the passes (in an interleaved pass: of the pass's cells at
+    that batch size, run back to back, so a slowdown all four shared cancels in their differences). A disturbed pass
+    is not counted. `cache`
     keeps each finished pass's rows between calls (reading its round logs is the slow part)."""
     cache = {} if cache is None else cache
     frames = []
@@ -476,12 +478,21 @@ def pass_table(out: Path, num_passes: int, metric: str, max_foreign_cores: float
         if i in cache:
             frames.append(cache[i])
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["pass", "server", "role", "batch_size", "value",
-                                                                                       "foreign_cpu_cores", "speed_index"])
+                                                                                       "foreign_cpu_cores", "speed_index", "interleaved"])
     if not table.empty and table.groupby("batch_size")["traffic_digest"].nunique().max() > 1:
         raise SpectuneError(f"{out}: the passes sent different traffic (traffic digests differ); start over with a new --out")
     if table.empty:
         return table.assign(speed_index=np.nan, disturbed=False)
-    typical = table.groupby(["server", "batch_size"])["speed_index"].transform("median")
+    return mark_disturbed(table, max_foreign_cores, max_slowdown)
+
+
+def mark_disturbed(table: pd.DataFrame, max_foreign_cores: float, max_slowdown: float) -> pd.DataFrame:
+    """pass_table's `disturbed` column: every row of a pass with a cell above max_foreign_cores, or with a speed index
+    more than max_slowdown above the typical one (the same server and batch size over the passes; in an interleaved
+    pass the pass's own cells at that batch size)."""
+    across = table.groupby(["server", "batch_size"])["speed_index"].transform("median")
+    within = table.groupby(["pass", "batch_size"])["speed_index"].transform("median")
+    typical = within.where(table["interleaved"].astype(bool), across)
     bad = (table["foreign_cpu_cores"] > max_foreign_cores) | (table["speed_index"] > typical * (1 + max_slowdown))
     return table.assign(disturbed=bad.groupby(table["pass"]).transform("any").to_numpy(bool))
 
@@ -495,7 +506,8 @@ def _pass_rows(pass_dir: Path, number: int, metric: str, cost) -> pd.DataFrame:
     speed = speed_index(run, cost).reindex(cells["cell"]).to_numpy() if cost is not None else np.full(len(cells), np.nan)
     return pd.DataFrame({"pass": number, "server": cells["server"], "role": cells["server"].map(_role), "batch_size": cells["batch_size"],
                          "value": cells[metric], "traffic_digest": cells["traffic_digest"],
-                         "foreign_cpu_cores": cells.get("foreign_cpu_cores", pd.Series(np.nan, index=cells.index)), "speed_index": speed})
+                         "foreign_cpu_cores": cells.get("foreign_cpu_cores", pd.Series(np.nan, index=cells.index)), "speed_index": speed,
+                         "interleaved": bool(run.manifest["plan"].get("interleave", False))})
 
 
 def _role(server: str) -> str:
@@ -572,7 +584,8 @@ def measured_verdict(decision: Decision, passes: int, words: str, metric: str, o
                           f"alpha-spending function allows (overall {100 * (1 - ALPHA):.0f}%); stop when every interval excludes 0 or is "
                           f"narrower than {NARROW_PCT:g} points; a pass is run again, not counted, when in any cell other work used "
                           f"more than {options.max_foreign_cores:g} cores of the machine or the engine's steps ran more than "
-                          f"{options.max_slowdown:.0%} slower (against the tuning sweep's step costs) than in the same server's median pass"),
+                          f"{options.max_slowdown:.0%} slower (against the tuning sweep's step costs) than in the same server's median pass "
+                          f"(in an interleaved pass: than the median of that pass's cells at the batch size)"),
         "passes_not_counted": disturbed,
         "attempts_exhausted": exhausted,
         "servers": [s["name"] for s in servers],

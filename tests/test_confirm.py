@@ -19,6 +19,7 @@ from spectune.confirm import (
     decide,
     look_alphas,
     look_schedule,
+    mark_disturbed,
     spent_alpha,
     t_quantile,
     to_pct,
@@ -141,3 +142,26 @@ def test_action_when_every_attempt_was_run_says_another_call_adds_nothing():
     assert "run spectune confirm RESULTS again" in action_text(diffs, finished=False)
     exhausted = action_text(diffs, finished=False, exhausted=True)
     assert "again" not in exhausted.split(";")[0] and "quieter machine" in exhausted and "Deploy" not in exhausted
+
+
+def _speed_table(interleaved: bool) -> pd.DataFrame:
+    """Five passes of three servers at one batch size; pass 2 ran 30% slower throughout, pass 3's tuned cell alone."""
+    servers = ("tuned", "sglang-default", "target")
+    speed = {(p, s): 1.3 if p == 2 or (p, s) == (3, "tuned") else 1.0 for p in range(1, 6) for s in servers}
+    return pd.DataFrame([{"pass": p, "server": s, "batch_size": 4, "speed_index": v, "foreign_cpu_cores": 0.0,
+                          "interleaved": interleaved} for (p, s), v in speed.items()])
+
+
+def test_a_slowdown_every_cell_of_an_interleaved_pass_shared_leaves_it_counted():
+    """Passes one server after another: a pass slower than the servers' median passes is disturbed. Interleaved (each
+    batch size's cells back to back), a slowdown all its cells shared cancels in their differences; only a cell slower
+    than its neighbours disturbs the pass."""
+    def disturbed(t):
+        return mark_disturbed(t, 0.5, 0.15).groupby("pass")["disturbed"].first().to_dict()
+
+    calm = {1: False, 4: False, 5: False}
+    assert disturbed(_speed_table(interleaved=False)) == {**calm, 2: True, 3: True}
+    assert disturbed(_speed_table(interleaved=True)) == {**calm, 2: False, 3: True}
+    busy = _speed_table(interleaved=True)
+    busy.loc[(busy["pass"] == 2) & (busy["server"] == "target"), "foreign_cpu_cores"] = 0.9
+    assert disturbed(busy) == {**calm, 2: True, 3: True}  # other work on the machine disturbs a pass either way
