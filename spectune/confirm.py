@@ -40,6 +40,7 @@ NARROW_PCT = 2.0  # an interval narrower than this (percentage points) settles a
 NUM_LOOKS = 4
 DEFAULT_MAX_PASSES = 20
 DEFAULT_MIN_PASSES = 4
+OUTLIER_SD = 3.0  # interleaved passes: a cell slower than its neighbours by this many robust SDs of the host's spread
 # objective -> (cell metric, higher is better, words)
 METRICS = {
     "throughput": ("output_throughput_tps", True, "output tokens/s"),
@@ -299,7 +300,7 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
         table = pool_alike(pass_table(out, i + 1, metric, options.max_foreign_cores, cost, options.max_slowdown, cache), alike)
         if not table.empty and table.loc[table["pass"] == i + 1, "disturbed"].any():
             log(f"pass {i + 1}: disturbed (other work on this machine, or the engine ran more than {options.max_slowdown:.0%} slower than "
-                "in the other passes, or than the pass's other cells when interleaved); not counted, run again")
+                "in the other passes, or than the pass's other cells beyond the host's usual spread when interleaved); not counted, run again")
         gains = pass_gains(table[~table["disturbed"]], higher) if not table.empty else pass_gains(table, higher)
         # a pass judged disturbed earlier can count later (the median moved): never count more than the cap
         gains = gains.iloc[: options.max_passes]
@@ -487,13 +488,18 @@ def pass_table(out: Path, num_passes: int, metric: str, max_foreign_cores: float
 
 
 def mark_disturbed(table: pd.DataFrame, max_foreign_cores: float, max_slowdown: float) -> pd.DataFrame:
-    """pass_table's `disturbed` column: every row of a pass with a cell above max_foreign_cores, or with a speed index
-    more than max_slowdown above the typical one (the same server and batch size over the passes; in an interleaved
-    pass the pass's own cells at that batch size)."""
+    """pass_table's `disturbed` column: every row of a pass with a cell above max_foreign_cores, or one that ran slow.
+    One server after another, slow is a speed index more than max_slowdown above the same server's median over the
+    passes. In an interleaved pass a slowdown all of a batch size's cells share cancels in their differences, so slow
+    is against the pass's other cells at that batch size: by more than max_slowdown and by more than OUTLIER_SD robust
+    standard deviations of that ratio over every interleaved cell (a noisy host's routine spread is no disturbance)."""
     across = table.groupby(["server", "batch_size"])["speed_index"].transform("median")
-    within = table.groupby(["pass", "batch_size"])["speed_index"].transform("median")
-    typical = within.where(table["interleaved"].astype(bool), across)
-    bad = (table["foreign_cpu_cores"] > max_foreign_cores) | (table["speed_index"] > typical * (1 + max_slowdown))
+    interleaved = table["interleaved"].astype(bool)
+    ratio = np.log(table["speed_index"] / table.groupby(["pass", "batch_size"])["speed_index"].transform("median"))
+    spread = 1.4826 * float(ratio[interleaved].abs().median()) if interleaved.any() else 0.0
+    limit = max(math.log1p(max_slowdown), OUTLIER_SD * spread) if math.isfinite(spread) else math.log1p(max_slowdown)
+    slow = (ratio > limit).where(interleaved, table["speed_index"] > across * (1 + max_slowdown))
+    bad = (table["foreign_cpu_cores"] > max_foreign_cores) | slow.astype(bool)
     return table.assign(disturbed=bad.groupby(table["pass"]).transform("any").to_numpy(bool))
 
 
@@ -585,7 +591,8 @@ def measured_verdict(decision: Decision, passes: int, words: str, metric: str, o
                           f"narrower than {NARROW_PCT:g} points; a pass is run again, not counted, when in any cell other work used "
                           f"more than {options.max_foreign_cores:g} cores of the machine or the engine's steps ran more than "
                           f"{options.max_slowdown:.0%} slower (against the tuning sweep's step costs) than in the same server's median pass "
-                          f"(in an interleaved pass: than the median of that pass's cells at the batch size)"),
+                          f"(in an interleaved pass: than the median of that pass's cells at the batch size, and by more than "
+                          f"{OUTLIER_SD:g} robust SDs of that ratio over the interleaved cells)"),
         "passes_not_counted": disturbed,
         "attempts_exhausted": exhausted,
         "servers": [s["name"] for s in servers],

@@ -165,3 +165,13 @@ def test_a_slowdown_every_cell_of_an_interleaved_pass_shared_leaves_it_counted()
     busy = _speed_table(interleaved=True)
     busy.loc[(busy["pass"] == 2) & (busy["server"] == "target"), "foreign_cpu_cores"] = 0.9
     assert disturbed(busy) == {**calm, 2: True, 3: True}  # other work on the machine disturbs a pass either way
+
+
+def test_an_interleaved_pass_is_disturbed_only_beyond_the_hosts_own_spread():
+    """On a host whose cells routinely differ by 10% back to back, a cell 27% slower than its neighbours' median is
+    within that spread (3 robust SDs), not a disturbance; one 80% slower is."""
+    slower = {(3, "tuned"): 1.4, (6, "tuned"): 2.0}
+    rows = [{"pass": p, "server": s, "batch_size": 4, "speed_index": wobble * slower.get((p, s), 1.0), "foreign_cpu_cores": 0.0,
+             "interleaved": True} for p in range(1, 9) for s, wobble in zip(("tuned", "sglang-default", "target"), (1.0, 1.1, 0.9))]
+    table = mark_disturbed(pd.DataFrame(rows), 0.5, 0.15)
+    assert table.groupby("pass")["disturbed"].first().to_dict() == {p: p == 6 for p in range(1, 9)}
