@@ -73,8 +73,10 @@ class ClientLoad:
         """A line for the user when the cell's figures measure the client, else None."""
         if not self.saturated:
             return None
-        return (f"client saturated (busiest process {self.cpu_share:.0%} of a core, event-loop lag p99 "
-                f"{self.loop_lag_ms_p99:.1f} ms): this cell's inter-chunk and TTFT figures measure the load generator, "
+        lag = self.loop_lag_ms_p99  # None when the cell ended (e.g. Ctrl-C) before the first tick
+        lag_text = f", event-loop lag p99 {lag:.1f} ms" if lag is not None else ""
+        return (f"client saturated (busiest process {self.cpu_share:.0%} of a core{lag_text}): this cell's inter-chunk and "
+                f"TTFT figures measure the load generator, "
                 f"not the server; run it with more load-generator processes (--workers {max(2, 2 * workers)}, plan "
                 f"key workers)")
 

@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 from scripted_server import ScriptedServer, Step, serve_in_thread
 
-from spectune.clientload import ClientLoad
+from spectune.clientload import ClientLoad, ProbeResult
 from spectune.loadgen import run_cell, run_requests
 from spectune.loadworkers import split
 from spectune.records import Request
@@ -178,3 +178,12 @@ def test_bench_with_two_workers_writes_one_cell_from_both(tmp_path, spectune_cmd
     requests = pd.read_parquet(out / "requests.parquet")
     assert sorted(requests["index"]) == list(range(8))
     assert json.loads((out / "run.json").read_text())["plan"]["workers"] == 2
+
+
+def test_a_saturated_cell_stopped_before_its_first_tick_still_gets_its_warning():
+    """CI found it: a cell interrupted (Ctrl-C) while the client was busy had a CPU share but no event-loop lag yet,
+    and the warning's format crashed the sweep instead of ending it with the resume command."""
+    load = ClientLoad()
+    load.add(ProbeResult(lags_ms=[], cpu_s=0.95, wall_s=1.0))
+    assert load.saturated and load.loop_lag_ms_p99 is None
+    assert load.warning(1).startswith("client saturated (busiest process 95% of a core):")
