@@ -1,10 +1,10 @@
 """Run a sweep plan: every server, every batch size (and request rate, open loop), every repeat, on identical traffic.
 
-For each server: launch once, then for each (batch size, rate, repeat) not yet finished: reset its cache, warm up
-at the same concurrency, scrape, send the measured requests, scrape again, and write the cell atomically before
-the next one starts. A server that dies fails only the cell it died in; it is restarted and the sweep goes on.
-Ctrl-C stops it at any moment (spectune.interrupt): the cell in flight is written as partial, finished cells are
-kept, and the run resumes with --resume.
+For each server (or all at once with plan.interleave, cells then going repeat by repeat): launch once, then for each
+(batch size, rate, repeat) not yet finished: reset its cache, warm up at the same concurrency, scrape, send the
+measured requests, scrape again, and write the cell atomically before the next one starts. A server that dies fails
+only the cell it died in; it is restarted and the sweep goes on. Ctrl-C stops it at any moment (spectune.interrupt):
+the cell in flight is written as partial, finished cells are kept, and the run resumes with --resume.
 """
 
 from __future__ import annotations
@@ -145,14 +145,13 @@ def _run_sweep(plan: Plan, out: Path, *, resume: bool, progress: SweepProgress, 
         todo = [c for c in wanted if c.id not in done_ids]
         outcome.skipped = len(wanted) - len(todo)
         progress.start(len(todo), outcome.skipped, [s.name for s in plan.servers if any(c.server.name == s.name for c in todo)])
-        if plan.interleave:
-            _run_interleaved(plan, store, todo, outcome, progress)
-        else:
+        if plan.interleave:  # every server up at once
+            _run_cells(plan, store, _interleaved(plan, todo), outcome, progress)
+        else:  # one server at a time
             for spec in plan.servers:
-                interrupt.check()
                 cells = [c for c in todo if c.server.name == spec.name]
                 if cells:
-                    _run_server(plan, store, spec, cells, outcome, progress)
+                    _run_cells(plan, store, cells, outcome, progress)
     except KeyboardInterrupt:
         outcome.interrupted = True
     finally:
@@ -244,23 +243,8 @@ class _Live:
             _update_progress(self.store, plan, outcome)
 
 
-def _run_server(plan: Plan, store: RunStore, spec: ServerSpec, cells: list[Cell], outcome: SweepOutcome,
-                progress: SweepProgress) -> None:
-    live = _Live(plan, store, spec, progress)
-    try:
-        for cell in cells:
-            interrupt.check()
-            live.measure(plan, cell, outcome)
-    finally:
-        live.server.stop()
-
-
-def _run_interleaved(plan: Plan, store: RunStore, cells: list[Cell], outcome: SweepOutcome, progress: SweepProgress) -> None:
-    """plan.interleave: every server up at once, cells repeat by repeat and, at each batch size, server after server,
-    so a change in the host's speed during the sweep falls on every server alike (speedups pair cells measured
-    seconds apart, not one server's whole sweep apart)."""
-    order = {s.name: i for i, s in enumerate(plan.servers)}
-    cells = sorted(cells, key=lambda c: (c.repeat, plan.batch_sizes.index(c.batch_size), c.request_rate or 0.0, order[c.server.name]))
+def _run_cells(plan: Plan, store: RunStore, cells: list[Cell], outcome: SweepOutcome, progress: SweepProgress) -> None:
+    """Measure `cells` in their order, each server launched at its first cell; all stopped at the end."""
     lives = {s.name: _Live(plan, store, s, progress) for s in plan.servers if any(c.server.name == s.name for c in cells)}
     try:
         for cell in cells:
@@ -269,6 +253,14 @@ def _run_interleaved(plan: Plan, store: RunStore, cells: list[Cell], outcome: Sw
     finally:
         for live in lives.values():
             live.server.stop()
+
+
+def _interleaved(plan: Plan, cells: list[Cell]) -> list[Cell]:
+    """plan.interleave's order: repeat by repeat and, at each batch size, server after server, so a change in the
+    host's speed during the sweep falls on every server alike (speedups pair cells measured seconds apart, not one
+    server's whole sweep apart)."""
+    order = {s.name: i for i, s in enumerate(plan.servers)}
+    return sorted(cells, key=lambda c: (c.repeat, plan.batch_sizes.index(c.batch_size), c.request_rate or 0.0, order[c.server.name]))
 
 
 def _served_tokenizer(spec: ServerSpec):
