@@ -10,7 +10,8 @@ the fit's ms per token (RoundCost.ms_per_token, anchored on target-only's measur
 times how the cell's server ran at the batch sizes the fit saw, costmodel.server_factors: none when its step count is
 held out):
 - TPOT: ms per token times the measured TPOT / ms-per-token ratio of the fit's
-  own speculative cells at that batch size (the share of a token's time that is decode, not others' prefills);
+  own speculative cells at that batch size (the share of a token's time that is decode, not others' prefills),
+  interpolated in log batch size for a held-out one;
 - output throughput: 1000 x batch size / predicted ms per token;
 - speedup over target-only: target-only's measured ms per token / predicted ms per token.
 """
@@ -108,7 +109,8 @@ def _predict(fit: CostFit, train: pd.DataFrame, usable: pd.DataFrame, held: pd.D
         t0 = float(base[(workload, bs)])  # target-only measured here; the fit's draft terms are interpolated if it never saw bs
         tokens = fit.profile(workload, bs).expected_tokens(int(g))
         ms = (fit.cost.ms_per_token(bs, g, tokens) + (t0 - fit.cost.t_round(bs, 0)) / tokens) * float(factors.get(server, 1.0))
-        predicted = {"tpot": ms * float(np.interp(bs, tpot_share.index, tpot_share.to_numpy())),
+        share = np.interp(np.log2(bs), np.log2(tpot_share.index.to_numpy(float)), tpot_share.to_numpy())  # batch sizes go in powers
+        predicted = {"tpot": ms * float(share),
                      "throughput": 1000.0 * bs / ms, "speedup": t0 / ms}
         actual = {"tpot": m["tpot_ms_mean"], "throughput": m["output_throughput_tps"], "speedup": t0 / m["ms"]}
         row = {"holdout": holdout, "engine": fit.engine, "method": fit.method, "workload": workload, "server": server,

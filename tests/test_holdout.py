@@ -158,3 +158,19 @@ def test_a_server_that_ran_slow_at_every_batch_size_is_predicted_slow_where_held
     assert by_bs["throughput_abs_pct_error"].max() < 5.0  # 20% without its factor
     by_g = held[(held["holdout"] == "step_count") & (held["server"] == "draft-g3-quote")]
     assert by_g["throughput_abs_pct_error"].min() > 10.0  # a held-out server has no factor: its slowness is unknowable
+
+
+def test_tpot_share_of_a_held_out_batch_size_is_interpolated_in_log_batch_size():
+    """Batch sizes go in powers of two; a decode share falling by the same step per doubling is predicted exactly
+    between measured ones (interpolating in batch size itself would put batch 4 a third of the way from 2 to 8)."""
+    from spectune.costmodel import ms_per_token
+
+    cells = synthetic_cells(cost=LINEAR, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
+    spec = cells["is_speculative"].astype(bool)
+    share = 0.95 - 0.15 * np.log2(cells["batch_size"].astype(float))
+    cells.loc[spec, "tpot_ms_mean"] = ms_per_token(cells)[spec] * share[spec]
+    held = holdout_predictions(cells)
+    inside = held[(held["holdout"] == "batch_size") & held["batch_size"].isin([2, 4, 8])]
+    assert set(inside["batch_size"]) == {2, 4, 8}
+    ms_error = 100 * (inside["measured_throughput"] / inside["predicted_throughput"] - 1).abs()  # predicted ms / measured ms
+    assert (inside["tpot_abs_pct_error"] - ms_error).abs().max() < 0.5
