@@ -2,6 +2,7 @@
 replay was not fitted on.
 
     python benchmarks/calibration.py RESULTS [--traffic heldout] [--passes 2] [--measure] [--out DIR] [--passes-dir DIR]
+        [--at-own-speed]
 
 RESULTS is a closed-loop sweep tuned by `spectune tune` on a replay objective (its tuned/ holds the tuned config).
 With --measure, the four servers `spectune confirm` runs (target-only, the best static g, the tuned config, SGLang's
@@ -11,6 +12,9 @@ replayed (or those of --passes-dir, e.g. a `spectune confirm` directory) with th
 - before: the fit of spectune 0.x before calibration (step costs from round-log gaps at the swept batch sizes, a
   decode step charged its policy's g whatever was drafted, acceptance from the streamed chunks);
 - after: spectune.calibration (step clocks, verify width, the engine's own request-rounds with the drafted share).
+With --at-own-speed, also each server replayed pass by pass on a host as fast as its own engine ran in that cell
+(every cost times the cell's total measured step wall / the wall the replay charges for those very steps): what the
+replay leaves out besides the host's speed, a diagnostic only (the speed is known after the fact).
 Passes spectune confirm would not count (other work on the machine, or the engine more than 15% slower than in the
 same server's median pass) are left out and listed. Prints predicted vs measured mean TTFT, TPOT and e2e per server
 and the relative errors; writes DIR/<traffic>.json.
@@ -20,14 +24,60 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
-from spectune.calibration import replay_vs_measured
+from spectune import scoring
+from spectune.calibration import FIGURES, predicted_walls, replay_vs_measured, server_policy
+from spectune.costmodel import ServingCost, fit_sweep
+from spectune.simulate import draw_acceptance, simulate_requests
+from spectune.steplog import step_frame
 from spectune.confirm import step_cost, confirm_plan, pass_complete, pass_plan, pass_table, read_tuning
 from spectune.store import load_run
 from spectune.sweep import run_sweep
+
+
+def scaled(cost: ServingCost, k: float) -> ServingCost:
+    """`cost` on a host k times slower: every step, intake and hand-out term times k."""
+    d = cost.decode
+    decode = replace(d, target_ms=tuple(k * t for t in d.target_ms), draft_fixed_ms=tuple(k * t for t in d.draft_fixed_ms),
+                     per_step_ms=tuple(k * t for t in d.per_step_ms), request_ms=tuple(k * t for t in d.request_ms))
+    terms = ("prefill_fixed_ms", "prefill_per_token_ms", "request_overhead_ms", "gather_ms_per_seq", "intake_interference_ms",
+             "prefill_intake_ms", "finish_ms", "delivery_ms", "stream_end_ms")
+    return replace(cost, decode=decode, **{t: k * getattr(cost, t) for t in terms})
+
+
+def at_own_speed(fit_run, runs: list, method: str, draws: int) -> pd.DataFrame:
+    """Per server: the replay of each pass at the speed its engine ran in that cell, beside the measured means."""
+    fit = fit_sweep(fit_run.cells, method=method)
+    horizon = max(fit.max_steps, 7)
+    first = runs[0].cells
+    replay = scoring.make_replay(fit_run, fit, horizon, 0, first["workload"].iloc[0], int(first["batch_size"].iloc[0]), True)
+    acceptance = [draw_acceptance(replay.traffic, replay.profiles, horizon, k) for k in range(draws)]
+    rows = []
+    for server in sorted(first["server"]):
+        policy = server_policy(first[first["server"] == server].iloc[0], method)
+        if policy is None:
+            continue
+        predicted, measured, speeds = [], [], []
+        for run in runs:
+            steps = step_frame(run.round_logs[server])
+            steps = steps[steps["wall_ms"].notna()]
+            k = float(steps["wall_ms"].sum() / np.nansum(predicted_walls(steps, replay.cost)))
+            sims = [simulate_requests(replay.traffic, policy, scaled(replay.cost, k), a, max_num_seqs=replay.max_num_seqs) for a in acceptance]
+            predicted.append({f: np.mean([getattr(x, f) for x in sims]) for f in FIGURES})
+            measured.append(run.cells[run.cells["server"] == server].iloc[0])
+            speeds.append(k)
+        row = {"server": server, "speeds": " / ".join(f"{k:.2f}" for k in speeds)}
+        for f, column in FIGURES.items():
+            m = float(np.mean([c[column] for c in measured]))
+            row |= {f"{f}_measured": m, f"{f}_predicted": float(np.mean([p[f] for p in predicted])),
+                    f"{f}_error": float(np.mean([p[f] for p in predicted])) / m - 1.0}
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def measure(results: Path, traffic: str, out: Path, passes: int) -> None:
@@ -52,6 +102,7 @@ def main() -> None:
     parser.add_argument("--measure", action="store_true")
     parser.add_argument("--out", type=Path, help="default: RESULTS/calibration")
     parser.add_argument("--draws", type=int, default=5)
+    parser.add_argument("--at-own-speed", action="store_true", help="also replay each cell at its engine's own measured speed")
     parser.add_argument("--passes-dir", type=Path, help="replay the passes of this directory (e.g. RESULTS/confirm) instead")
     args = parser.parse_args()
     out = args.passes_dir or (args.out or args.results / "calibration") / Path(args.traffic).stem
@@ -76,11 +127,15 @@ def main() -> None:
     tables = {}
     for label, calibrated in (("before", False), ("after", True)):
         tables[label] = replay_vs_measured(fit_run, runs, calibrated=calibrated, method=method, draws=args.draws)
+    if args.at_own_speed:
+        tables["after, each cell at its own speed"] = at_own_speed(fit_run, runs, method, args.draws)
     pd.set_option("display.width", 220)
     for label, table in tables.items():
-        print(f"\n{label} calibration: replay fitted on {args.results.name}, traffic {runs[0].manifest['plan']['workload']} ({len(runs)} measured passes)")
+        print(f"\n{label}{'' if ',' in label else ' calibration'}: replay fitted on {args.results.name}, traffic {runs[0].manifest['plan']['workload']} ({len(runs)} measured passes)")
         cols = ["server"] + [f"{m}_{k}" for m in ("ttft_ms", "tpot_ms", "e2e_ms") for k in ("measured", "predicted", "error")]
         print(table[cols].to_string(index=False, float_format="%.3f"))
+        if "speeds" in table:
+            print("speeds (measured step wall / the replay's, per pass): " + "; ".join(f"{r.server} {r.speeds}" for r in table.itertuples()))
     foreign = pd.concat([r.cells for r in runs])["foreign_cpu_cores"]
     print(f"\nother work on the machine during the counted cells: mean {foreign.mean():.2f} cores, max {foreign.max():.2f}")
     record = {k: t.to_dict("records") for k, t in tables.items()} | {"passes": len(passes), "not_counted": disturbed}
