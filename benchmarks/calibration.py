@@ -14,7 +14,8 @@ replayed (or those of --passes-dir, e.g. a `spectune confirm` directory) with th
 - after: spectune.calibration (step clocks, verify width, the engine's own request-rounds with the drafted share).
 With --at-own-speed, also each server replayed pass by pass on a host as fast as its own engine ran in that cell
 (every cost times the cell's total measured step wall / the wall the replay charges for those very steps): what the
-replay leaves out besides the host's speed, a diagnostic only (the speed is known after the fact).
+replay leaves out besides the host's speed, a diagnostic only (the speed is known after the fact); and the accepted
+drafts per request-round at each step count, replay vs engine, with how many drafts the engine's proposer offered.
 Passes spectune confirm would not count (other work on the machine, or the engine more than 15% slower than in the
 same server's median pass) are left out and listed. Prints predicted vs measured mean TTFT, TPOT and e2e per server
 and the relative errors; writes DIR/<traffic>.json.
@@ -80,6 +81,37 @@ def at_own_speed(fit_run, runs: list, method: str, draws: int) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def accepted_per_round(fit_run, runs: list, method: str, draws: int = 3) -> pd.DataFrame:
+    """Per server and step count g of a round: mean accepted drafts per request-round in the replay (at the fit's
+    speed) and in the engine (its round logs, over the passes), and in the engine's drafting rounds how many drafts
+    the proposer offered (the replay offers g whenever a round drafts)."""
+    fit = fit_sweep(fit_run.cells, method=method)
+    horizon = max(fit.max_steps, 7)
+    first = runs[0].cells
+    replay = scoring.make_replay(fit_run, fit, horizon, 0, first["workload"].iloc[0], int(first["batch_size"].iloc[0]), True)
+    rows = []
+    for server in sorted(first["server"]):
+        policy = server_policy(first[first["server"] == server].iloc[0], method)
+        if policy is None:
+            continue
+        replayed: dict[int, list[int]] = {}
+        for k in range(draws):
+            sim = simulate_requests(replay.traffic, policy, replay.cost, draw_acceptance(replay.traffic, replay.profiles, horizon, k),
+                                    max_num_seqs=replay.max_num_seqs)
+            for step in sim.steps[(sim.steps["kind"] == "decode") & (sim.steps["steps"] > 0)].itertuples():
+                replayed.setdefault(int(step.steps), []).extend(min(a, int(step.steps)) for a in step.at_horizon)
+        engine = pd.concat([step_frame(run.round_logs[server]) for run in runs])
+        engine = engine[(engine["kind"] == "decode") & (engine["num_steps"] > 0)]
+        for g, steps in engine.groupby("num_steps"):
+            offered = np.concatenate([np.asarray(x) for x in steps["proposed"]])
+            accepted = np.concatenate([np.asarray(x) for x in steps["accepted"]])
+            drafted = offered > 0
+            rows.append({"server": server, "g": int(g), "replay_accepted": float(np.mean(replayed.get(int(g), [np.nan]))),
+                         "engine_accepted": float(accepted.mean()), "engine_offered_when_drafting": float(offered[drafted].mean()),
+                         "engine_full_g_offered_share": float((offered[drafted] == g).mean())})
+    return pd.DataFrame(rows)
+
+
 def measure(results: Path, traffic: str, out: Path, passes: int) -> None:
     tuning = read_tuning(results / "tuned")
     servers, raw = confirm_plan(load_run(results).manifest, tuning, results / "tuned", out, None)
@@ -129,6 +161,9 @@ def main() -> None:
         tables[label] = replay_vs_measured(fit_run, runs, calibrated=calibrated, method=method, draws=args.draws)
     if args.at_own_speed:
         tables["after, each cell at its own speed"] = at_own_speed(fit_run, runs, method, args.draws)
+        accepted = accepted_per_round(fit_run, runs, method)
+        print("\naccepted drafts per request-round by the round's step count g, replay (calibrated) vs engine:")
+        print(accepted.to_string(index=False, float_format="%.2f"))
     pd.set_option("display.width", 220)
     for label, table in tables.items():
         print(f"\n{label}{'' if ',' in label else ' calibration'}: replay fitted on {args.results.name}, traffic {runs[0].manifest['plan']['workload']} ({len(runs)} measured passes)")
