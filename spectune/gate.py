@@ -6,7 +6,9 @@ target-only output throughput paired by repeat), the direction that is better, a
 relative change in the worse direction that is tolerated. Every (server, batch size) the rule selects is compared
 on its per-repeat values: the relative change of the means, with a Welch t-interval on it. A change is a
 regression when it is beyond the threshold AND its interval excludes zero on the worse side; beyond the threshold
-but inside the noise, it is reported as such and passes. With one repeat on either side there is no noise
+but inside the noise, it is reported as such and passes. The intervals hold at 95% for the run's checks together
+(Bonferroni: each at 1 - 5%/m over the m checks with a noise estimate), so a gate with many checks does not fail an
+unchanged build more often than one with a few. With one repeat on either side there is no noise
 estimate and the threshold alone decides (the output says so). A baseline that is missing, zero or NaN is an
 error (exit 2), never a pass.
 """
@@ -23,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from spectune.analysis import t_quantile_975
+from spectune.confirm import t_quantile
 from spectune.errors import SpectuneError
 from spectune.store import atomic_write_bytes, load_run
 
@@ -139,7 +141,7 @@ class Check:
     baseline: tuple[float, ...]  # per-repeat values
     current: tuple[float, ...]
     change: float  # relative change of the means: current / baseline - 1
-    ci_low: float  # 95% Welch t-interval on the change; NaN without a noise estimate
+    ci_low: float  # Welch t-interval on the change at the gate's level (FAMILY_LEVEL); NaN without a noise estimate
     ci_high: float
     verdict: str  # "ok", "improved", "within noise", "regression", "missing"
 
@@ -180,8 +182,13 @@ class GateResult:
         return text
 
 
-def compare_values(baseline: list[float], current: list[float], direction: str, threshold: float) -> tuple[float, float, float, str]:
-    """(change, ci_low, ci_high, verdict) of current vs baseline per-repeat values; baseline mean must be non-zero."""
+FAMILY_LEVEL = 0.95  # of all a run's intervals together
+
+
+def compare_values(baseline: list[float], current: list[float], direction: str, threshold: float,
+                   checks: int = 1) -> tuple[float, float, float, str]:
+    """(change, ci_low, ci_high, verdict) of current vs baseline per-repeat values; baseline mean must be non-zero.
+    The interval is one of `checks` that hold at FAMILY_LEVEL together (Bonferroni)."""
     b, c = np.asarray(baseline, dtype=float), np.asarray(current, dtype=float)
     mb, mc = float(b.mean()), float(c.mean())
     change = mc / mb - 1.0
@@ -194,7 +201,7 @@ def compare_values(baseline: list[float], current: list[float], direction: str, 
         low = high = change
     else:  # Welch-Satterthwaite degrees of freedom; rounded down, so the interval errs wide
         df = se**4 / ((vb**2 / (b.size - 1) if vb else 0.0) + (vc**2 / (c.size - 1) if vc else 0.0))
-        half = t_quantile_975(max(1, math.floor(df))) * se / abs(mb)
+        half = t_quantile(1 - (1 - FAMILY_LEVEL) / 2 / checks, max(1, math.floor(df))) * se / abs(mb)
         low, high = change - half, change + half
     significant = high < 0 if direction == "higher" else low > 0  # the interval lies on the worse side of zero
     better = low > 0 if direction == "higher" else high < 0
@@ -213,6 +220,7 @@ def compare(results: str | Path, baseline: str | Path, rules: tuple[Rule, ...] =
     that selects nothing (e.g. speedup in a run without speculative servers) is skipped, not an error."""
     now, base = _load(Path(results)), _load(Path(baseline))
     result = GateResult()
+    pending: list[tuple[Rule, str, int, list[float], list[float]]] = []  # compared once their number is known
     for rule in rules:
         base_values, now_values = _values(base, rule, str(baseline), result), _values(now, rule, str(results), result)
         if base_values is None or now_values is None:
@@ -241,8 +249,11 @@ def compare(results: str | Path, baseline: str | Path, rules: tuple[Rule, ...] =
             if not c_finite:
                 result.checks.append(Check(rule, server, bs, tuple(b_finite), (), math.nan, math.nan, math.nan, "missing"))
                 continue
-            change, low, high, verdict = compare_values(b_finite, c_finite, rule.direction, rule.threshold)
-            result.checks.append(Check(rule, server, bs, tuple(b_finite), tuple(c_finite), change, low, high, verdict))
+            pending.append((rule, server, bs, b_finite, c_finite))
+    m = max(1, sum(len(b) >= 2 and len(c) >= 2 for *_, b, c in pending))
+    for rule, server, bs, b, c in pending:
+        change, low, high, verdict = compare_values(b, c, rule.direction, rule.threshold, checks=m)
+        result.checks.append(Check(rule, server, bs, tuple(b), tuple(c), change, low, high, verdict))
     single = sorted({f"{c.server} bs={c.batch_size}" for c in result.checks if c.verdict != "missing" and not c.has_noise_estimate})
     if single:
         result.notes.append(f"one repeat on a side, no noise estimate: judged on the threshold alone ({', '.join(single[:6])}"
@@ -341,7 +352,7 @@ def _rows(result: GateResult) -> list[list[str]]:
     return rows
 
 
-HEADERS = ["rule", "server", "batch size", "baseline", "now", "change", "95% CI of change", "limit", "verdict"]
+HEADERS = ["rule", "server", "batch size", "baseline", "now", "change", "CI of change (95% jointly)", "limit", "verdict"]
 
 
 def print_result(result: GateResult, console=None) -> None:
@@ -413,8 +424,9 @@ def markdown_summary(result: GateResult, results: str | Path, baseline: str | Pa
         lines += ["", f"<details><summary>All {len(ranked)} checks</summary>", *header]
         lines += ["| " + " | ".join(md_escape(v) for v in row) + " |" for _, row in ranked] + ["", "</details>"]
     lines += [""] + [f"_Note: {md_escape(n)}_" for n in result.notes]
-    lines += ["", "A change counts as a regression when it is beyond the rule's limit and its 95% Welch interval over "
-              "repeats lies on the worse side of zero; beyond the limit but inside the noise, it passes as \"within noise\"."]
+    lines += ["", "A change counts as a regression when it is beyond the rule's limit and its Welch interval over "
+              "repeats lies on the worse side of zero; beyond the limit but inside the noise, it passes as \"within noise\". "
+              "The intervals hold at 95% for all the checks together (Bonferroni), so more checks do not mean more false alarms."]
     return "\n".join(lines) + "\n"
 
 

@@ -205,3 +205,15 @@ def test_welch_decisions():
     assert compare_values([100], [95], "higher", 0.1)[3] == "ok"
     # identical repeats (a deterministic metric such as greedy acceptance): any change beyond the threshold counts
     assert compare_values([2.5, 2.5], [2.0, 2.0], "higher", 0.05)[3] == "regression"
+
+
+def test_intervals_hold_for_all_checks_together():
+    """CI once failed a second run of the same plan: one of six checks had its 95% interval just below zero. Alone,
+    that change is a regression; as one of six checks, whose intervals hold at 95% together, it is noise."""
+    base, now = [100, 110, 90, 105, 95], [88, 98, 78, 93, 83]
+    alone = compare_values(base, now, "higher", 0.1)
+    assert alone[3] == "regression" and alone[2] < 0
+    change, low, high, verdict = compare_values(base, now, "higher", 0.1, checks=6)
+    assert verdict == "within noise" and low < alone[1] and high > 0 and change == alone[0]
+    # a clear regression stays one however many checks run
+    assert compare_values([100, 101, 99], [80, 81, 79], "higher", 0.1, checks=50)[3] == "regression"
