@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from spectune.analysis import t_quantile
 from spectune.errors import SpectuneError
 
 ALPHA = 0.05  # chance, over all looks, of calling a difference that is not there
@@ -56,48 +57,6 @@ COMPARED = {DEFAULT: "SGLang's default", STATIC: "the best speculative static g"
 
 
 # --- statistics -----------------------------------------------------------------------------------------------
-
-
-def t_quantile(p: float, df: int) -> float:
-    """The p quantile of Student's t with df degrees of freedom (0.5 < p < 1), by bisection on its CDF written with
-    the regularized incomplete beta function (scipy is a test-only dependency; agreement with scipy is tested)."""
-    if not 0.5 < p < 1 or df < 1:
-        raise ValueError(f"t_quantile: need 0.5 < p < 1 and df >= 1, got p={p}, df={df}")
-    tail = lambda t: 0.5 * _betai(df / 2, 0.5, df / (df + t * t))  # P(T > t), t >= 0
-    lo, hi = 0.0, 1.0
-    while tail(hi) > 1 - p:
-        lo, hi = hi, hi * 2
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if tail(mid) > 1 - p else (lo, mid)
-        if hi - lo < 1e-10 * hi:
-            break
-    return (lo + hi) / 2
-
-
-def _betai(a: float, b: float, x: float) -> float:
-    """The regularized incomplete beta function I_x(a, b) (continued fraction, modified Lentz)."""
-    if x <= 0:
-        return 0.0
-    if x >= 1:
-        return 1.0
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
-    if x > (a + 1) / (a + b + 2):
-        return 1.0 - _betai(b, a, 1.0 - x)
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    f = d
-    for m in range(1, 500):
-        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)), -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + numerator * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + numerator / c
-            c = c if abs(c) > tiny else tiny
-            f *= c * d
-        if abs(c * d - 1.0) < 1e-15:
-            break
-    return front * f / a
 
 
 def spent_alpha(t: float, alpha: float = ALPHA) -> float:

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from spectune.confirm import t_quantile
+from spectune.analysis import t_quantile
 from spectune.errors import SpectuneError
 from spectune.store import atomic_write_bytes, load_run
 
