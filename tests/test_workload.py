@@ -50,6 +50,14 @@ def test_phase_set_alternates_acceptance_and_burst_size():
     assert Trace().send_offsets(requests) == arrivals
 
 
+def test_swing_set_is_long_phases_of_copying_and_random_words_for_a_closed_loop():
+    requests = load_requests("swing")
+    tags = [r.tag for r in requests]
+    assert tags == ["quote"] * 24 + ["random"] * 24 + ["quote"] * 24 + ["random"] * 24
+    assert all(r.arrival_s is None for r in requests)  # closed loop: the load generator paces it
+    assert len({r.prompt for r in requests}) == len(requests), "repeated prompts would hit the prefix cache"
+
+
 @pytest.mark.skipif(sys.version_info[:3] != (3, 11, 7), reason="the committed sets were built from CPython 3.11.7's stdlib")
 def test_builder_reproduces_the_committed_files():
     spec = importlib.util.spec_from_file_location("build_workloads", WORKLOADS_DIR / "build.py")
@@ -112,7 +120,7 @@ def test_bad_lines_name_file_and_line(tmp_path, line, message):
 
 
 def test_unknown_source_lists_the_shipped_sets():
-    with pytest.raises(SpectuneError, match="code, heldout, phase, quote, random, shift"):
+    with pytest.raises(SpectuneError, match="code, heldout, phase, quote, random, shift, swing"):
         load_requests("no-such-set")
 
 

@@ -11,6 +11,8 @@ with CPython 3.11.7). Prompts are 150-600 characters (~40-150 tokens of a 2k-voc
           acceptance and the number of concurrent requests shift over time (replay with Trace)
 - heldout: the phase set's kinds in another order, Poisson arrivals (POISSON_SETS)
 - shift:  long quote and random phases at a high and a low request rate (POISSON_SETS): where the step policy matters
+- swing:  closed-loop phases of copying and of random words, 24 requests each (CLOSED_SETS): the best g swings with
+          the phase at every batch size, so a static g loses in one phase or the other
 """
 
 from __future__ import annotations
@@ -51,6 +53,13 @@ POISSON_SETS = {
     # drafts cost more to verify than they bring) and of copying at a moderate rate (batches of 1-8, drafts nearly
     # all accepted), so the best g moves with the phase and the batch size, and a policy has time to follow it.
     "shift": (("random", 80, 40.0, 48), ("quote", 64, 8.0, 48), ("random", 80, 40.0, 48), ("quote", 64, 8.0, 48)),
+}
+# Closed-loop sets (no arrival times: the load generator keeps N requests in flight): (kind, requests) per phase.
+CLOSED_SETS = {
+    # Phases long next to a batch of 16 (a batch mixes two kinds only at a phase's edge), short enough that a cell at
+    # batch 1 stays under 20 s: copying (every draft of 7 accepted 84% of the time with the EAGLE head) and random words
+    # (a third draft accepted 24% of the time), so the best g is high in one phase and low in the next.
+    "swing": (("quote", 24), ("random", 24), ("quote", 24), ("random", 24)),
 }
 
 
@@ -126,14 +135,23 @@ def build() -> dict[str, list[dict]]:
     for kind, burst in PHASES:
         for _ in range(BURSTS_PER_PHASE):
             for _ in range(burst):
-                prompt = pools[kind][next_item[kind] % len(pools[kind])]
-                next_item[kind] += 1
+                prompt = next_prompt(pools, next_item, kind)
                 phase.append({"prompt": prompt, "max_tokens": MAX_TOKENS, "arrival_s": round(t, 3), "tag": kind})
             t += BURST_GAP_S
     sets["phase"] = phase
     for name, phases in POISSON_SETS.items():  # after the phase set, so its prompts stay what they were
         sets[name] = poisson_set(pools, next_item, phases, random.Random(f"{SEED}-{name}"))
+    for name, phases in CLOSED_SETS.items():  # after those, likewise
+        sets[name] = [{"prompt": next_prompt(pools, next_item, kind), "max_tokens": MAX_TOKENS, "tag": kind}
+                      for kind, count in phases for _ in range(count)]
     return sets
+
+
+def next_prompt(pools: dict[str, list[str]], next_item: dict[str, int], kind: str) -> str:
+    """The next unused prompt of `kind` (the pools wrap around)."""
+    prompt = pools[kind][next_item[kind] % len(pools[kind])]
+    next_item[kind] += 1
+    return prompt
 
 
 def poisson_set(pools: dict[str, list[str]], next_item: dict[str, int], phases, rng: random.Random) -> list[dict]:
@@ -142,8 +160,7 @@ def poisson_set(pools: dict[str, list[str]], next_item: dict[str, int], phases, 
     rows, t = [], 0.0
     for kind, count, rate, max_tokens in phases:
         for _ in range(count):
-            prompt = pools[kind][next_item[kind] % len(pools[kind])]
-            next_item[kind] += 1
+            prompt = next_prompt(pools, next_item, kind)
             rows.append({"prompt": prompt, "max_tokens": max_tokens, "arrival_s": round(t, 3), "tag": kind})
             t += rng.expovariate(rate)
     return rows
