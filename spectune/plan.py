@@ -169,6 +169,15 @@ def _check_types(fields: dict, source: str) -> None:
         raise SpectuneError(f"{source}: name = {fields['name']!r}: letters, digits, '.', '_' and '-' only (it names the results directory)")
 
 
+def _env_pairs(env: object, where: str) -> tuple[tuple[str, str], ...]:
+    """A server's `env`: a table (env = {NAME = "value"}) or a list of [name, value] pairs, values strings."""
+    pairs = list(env.items()) if isinstance(env, dict) else env
+    if not isinstance(pairs, list) or not all(isinstance(x, (list, tuple)) and len(x) == 2 and all(isinstance(v, str) for v in x)
+                                              for x in pairs):
+        raise SpectuneError(f'{where}.env = {env!r}: must be a table of strings, e.g. env = {{OMP_NUM_THREADS = "1"}}')
+    return tuple((k, v) for k, v in pairs)
+
+
 def _expand_server(raw: object, where: str) -> list[ServerSpec]:
     if not isinstance(raw, dict):
         raise SpectuneError(f"{where}: must be a table with at least `name`")
@@ -208,9 +217,10 @@ def _expand_server(raw: object, where: str) -> list[ServerSpec]:
         raw = {**raw, "draft_noise": float(noise)}
     if raw.get("per_batch_size") is not None:
         raw = {**raw, "per_batch_size": tuple(tuple(r) for r in raw["per_batch_size"])}
-    for key in ("extra_args", "env"):
-        if key in raw:
-            raw = {**raw, key: tuple(tuple(x) if isinstance(x, list) else x for x in raw[key])}
+    if "extra_args" in raw:
+        raw = {**raw, "extra_args": tuple(raw["extra_args"])}
+    if "env" in raw:
+        raw = {**raw, "env": _env_pairs(raw["env"], where)}
     base = {k: v for k, v in raw.items() if k != "num_speculative_tokens"}
     if not isinstance(steps, list):
         return [ServerSpec(**base, num_speculative_tokens=steps)]

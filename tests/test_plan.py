@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from spectune.errors import SpectuneError
-from spectune.plan import load_plan, plan_from_dict
+from spectune.plan import load_plan, plan_from_dict, plan_to_dict
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,6 +62,7 @@ BAD_PLANS = [
     ('slo_ttft_ms = -5\n[[servers]]\nname = "t"\n', "slo_ttft_ms = -5: must be a number > 0"),
     ('interleave = "yes"\n[[servers]]\nname = "t"\n', "interleave = 'yes': must be true or false"),
     ('[[servers]]\nname = "t"\ntokenizer = "/no/such/dir"\n', "server 't': tokenizer: cannot read a tokenizer at /no/such/dir"),
+    ('[[servers]]\nname = "t"\nenv = {OMP_NUM_THREADS = 1}\n', "env = {'OMP_NUM_THREADS': 1}: must be a table of strings"),
 ]
 
 
@@ -75,6 +76,18 @@ def test_bad_plan_is_one_clear_error(tmp_path, text, expected):
         _preflight(load_plan(path))  # what the sweep checks before anything launches
     assert expected in str(info.value)
     assert str(path) in str(info.value) or "tokenizer" in expected
+
+
+def test_server_env_is_a_table_or_pairs_and_reaches_the_launched_server(tmp_path):
+    from spectune.servers import make_server
+
+    path = tmp_path / "plan.toml"
+    path.write_text('[[servers]]\nname = "a"\nengine = "vllm"\nmodel = "/m"\nenv = {VLLM_CPU_OMP_THREADS_BIND = "0", X = "1"}\n'
+                    '[[servers]]\nname = "b"\nengine = "vllm"\nmodel = "/m"\nenv = [["X", "2"]]\n')
+    a, b = load_plan(path).servers
+    assert a.env == (("VLLM_CPU_OMP_THREADS_BIND", "0"), ("X", "1")) and b.env == (("X", "2"),)
+    assert make_server(a, tmp_path).environment()["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert load_plan(path).digest() == plan_from_dict(plan_to_dict(load_plan(path))).digest()  # survives the manifest
 
 
 def test_open_loop_and_slo_keys_load_and_older_plans_keep_their_digest():
