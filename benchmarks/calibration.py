@@ -2,19 +2,22 @@
 replay was not fitted on.
 
     python benchmarks/calibration.py RESULTS [--traffic heldout] [--passes 2] [--measure] [--out DIR] [--passes-dir DIR]
-        [--at-own-speed]
+        [--at-own-speed] [--batch-sizes 4]
 
 RESULTS is a closed-loop sweep tuned by `spectune tune` on a replay objective (its tuned/ holds the tuned config).
 With --measure, the four servers `spectune confirm` runs (target-only, the best static g, the tuned config, SGLang's
 default config) are run on the traffic (a workload with arrival_s), `--passes` times with the server order rotated,
-into DIR/<traffic>/pass-NN (resumable: finished passes are kept). Then every measured run under DIR/<traffic> is
+into DIR/<traffic>/pass-NN (resumable: finished passes are kept); with --batch-sizes, in a closed loop at those batch
+sizes instead (the whole set per cell, into DIR/<traffic>-closed-<sizes>; --at-own-speed reads the first only). Then every measured run under DIR/<traffic> is
 replayed (or those of --passes-dir, e.g. a `spectune confirm` directory) with the replay fitted on RESULTS two ways:
 - before: the fit of spectune 0.x before calibration (step costs from round-log gaps at the swept batch sizes, a
   decode step charged its policy's g whatever was drafted, acceptance from the streamed chunks);
 - after: spectune.calibration (step clocks, verify width, the engine's own request-rounds with the drafted share).
-With --at-own-speed, also each server replayed pass by pass on a host as fast as its own engine ran in that cell
-(every cost times the cell's total measured step wall / the wall the replay charges for those very steps): what the
-replay leaves out besides the host's speed, a diagnostic only (the speed is known after the fact); and the accepted
+With --at-own-speed, also each server replayed pass by pass on a host as fast as target-only's engine ran in that
+pass (every cost times its cells' total measured step wall / the wall the replay charges for those very steps): the
+host's speed of the moment, measured on the baseline alone, so still a prediction for every other server; then each
+server at the speed its own engine ran in that cell: what the replay leaves out besides the host's speed, a
+diagnostic only (the speed is known after the fact); and the accepted
 drafts per request-round at each step count, replay vs engine, with how many drafts the engine's proposer offered.
 Passes spectune confirm would not count (other work on the machine, or the engine more than 15% slower than in the
 same server's median pass) are left out and listed. Prints predicted vs measured mean TTFT, TPOT and e2e per server
@@ -32,7 +35,7 @@ import numpy as np
 import pandas as pd
 
 from spectune import scoring
-from spectune.calibration import FIGURES, predicted_walls, replay_vs_measured, server_policy
+from spectune.calibration import FIGURES, closed_loop_of, predicted_walls, replay_vs_measured, replayed_figure, server_policy
 from spectune.costmodel import ServingCost, fit_sweep
 from spectune.simulate import draw_acceptance, simulate_requests
 from spectune.steplog import step_frame
@@ -46,17 +49,19 @@ def scaled(cost: ServingCost, k: float) -> ServingCost:
     d = cost.decode
     decode = replace(d, target_ms=tuple(k * t for t in d.target_ms), draft_fixed_ms=tuple(k * t for t in d.draft_fixed_ms),
                      per_step_ms=tuple(k * t for t in d.per_step_ms), request_ms=tuple(k * t for t in d.request_ms))
-    terms = ("prefill_fixed_ms", "prefill_per_token_ms", "request_overhead_ms", "gather_ms_per_seq", "intake_interference_ms",
+    terms = ("prefill_fixed_ms", "prefill_per_token_ms", "prefill_per_token2_ms", "request_overhead_ms", "gather_ms_per_seq", "intake_interference_ms",
              "prefill_intake_ms", "finish_ms", "delivery_ms", "stream_end_ms")
     return replace(cost, decode=decode, **{t: k * getattr(cost, t) for t in terms})
 
 
-def at_own_speed(fit_run, runs: list, method: str, draws: int) -> pd.DataFrame:
-    """Per server: the replay of each pass at the speed its engine ran in that cell, beside the measured means."""
+def at_own_speed(fit_run, runs: list, method: str, draws: int, speed_of: str | None = None) -> pd.DataFrame:
+    """Per server: the replay of each pass at the speed its engine ran in that cell (speed_of: at the speed the named
+    server's engine ran in that pass instead, e.g. target-only's), beside the measured means."""
     fit = fit_sweep(fit_run.cells, method=method)
     horizon = max(fit.max_steps, 7)
     first = runs[0].cells
-    replay = scoring.make_replay(fit_run, fit, horizon, 0, first["workload"].iloc[0], int(first["batch_size"].iloc[0]), True)
+    loop = closed_loop_of(runs[0], first.iloc[0])
+    replay = scoring.make_replay(fit_run, fit, horizon, 0, first["workload"].iloc[0], int(first["batch_size"].iloc[0]), True, loop)
     acceptance = [draw_acceptance(replay.traffic, replay.profiles, horizon, k) for k in range(draws)]
     rows = []
     for server in sorted(first["server"]):
@@ -65,11 +70,11 @@ def at_own_speed(fit_run, runs: list, method: str, draws: int) -> pd.DataFrame:
             continue
         predicted, measured, speeds = [], [], []
         for run in runs:
-            steps = step_frame(run.round_logs[server])
+            steps = step_frame(run.round_logs[speed_of or server])
             steps = steps[steps["wall_ms"].notna()]
             k = float(steps["wall_ms"].sum() / np.nansum(predicted_walls(steps, replay.cost)))
             sims = [simulate_requests(replay.traffic, policy, scaled(replay.cost, k), a, max_num_seqs=replay.max_num_seqs) for a in acceptance]
-            predicted.append({f: np.mean([getattr(x, f) for x in sims]) for f in FIGURES})
+            predicted.append({f: np.mean([replayed_figure(x, f, closed=loop is not None) for x in sims]) for f in FIGURES})
             measured.append(run.cells[run.cells["server"] == server].iloc[0])
             speeds.append(k)
         row = {"server": server, "speeds": " / ".join(f"{k:.2f}" for k in speeds)}
@@ -88,7 +93,8 @@ def accepted_per_round(fit_run, runs: list, method: str, draws: int = 3) -> pd.D
     fit = fit_sweep(fit_run.cells, method=method)
     horizon = max(fit.max_steps, 7)
     first = runs[0].cells
-    replay = scoring.make_replay(fit_run, fit, horizon, 0, first["workload"].iloc[0], int(first["batch_size"].iloc[0]), True)
+    replay = scoring.make_replay(fit_run, fit, horizon, 0, first["workload"].iloc[0], int(first["batch_size"].iloc[0]), True,
+                                 closed_loop_of(runs[0], first.iloc[0]))
     rows = []
     for server in sorted(first["server"]):
         policy = server_policy(first[first["server"] == server].iloc[0], method)
@@ -112,12 +118,14 @@ def accepted_per_round(fit_run, runs: list, method: str, draws: int = 3) -> pd.D
     return pd.DataFrame(rows)
 
 
-def measure(results: Path, traffic: str, out: Path, passes: int) -> None:
+def measure(results: Path, traffic: str, out: Path, passes: int, batch_sizes: list[int] | None) -> None:
     tuning = read_tuning(results / "tuned")
     servers, raw = confirm_plan(load_run(results).manifest, tuning, results / "tuned", out, None)
     from spectune.workload import load_requests
 
     raw |= {"workload": traffic, "min_prompts": len(load_requests(traffic))}
+    if batch_sizes:  # a closed loop at batch sizes of one's choice (tuned on a closed-loop objective)
+        raw |= {"schedule": "closed", "batch_sizes": batch_sizes}
     for i in range(passes):
         pass_dir = out / f"pass-{i + 1:02d}"
         if not pass_complete(pass_dir):
@@ -136,10 +144,14 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=5)
     parser.add_argument("--at-own-speed", action="store_true", help="also replay each cell at its engine's own measured speed")
     parser.add_argument("--passes-dir", type=Path, help="replay the passes of this directory (e.g. RESULTS/confirm) instead")
+    parser.add_argument("--batch-sizes", help="with --measure: a closed loop at these batch sizes (e.g. 4,16) instead of the "
+                        "traffic's arrival times; the whole set each cell")
     args = parser.parse_args()
-    out = args.passes_dir or (args.out or args.results / "calibration") / Path(args.traffic).stem
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
+    name = Path(args.traffic).stem + (f"-closed-{'-'.join(map(str, batch_sizes))}" if batch_sizes else "")
+    out = args.passes_dir or (args.out or args.results / "calibration") / name
     if args.measure:
-        measure(args.results, args.traffic, out, args.passes)
+        measure(args.results, args.traffic, out, args.passes, batch_sizes)
     passes = sorted(p for p in out.glob("pass-*") if pass_complete(p))
     if not passes:
         raise SystemExit(f"{out}: no measured passes; run with --measure")
@@ -160,6 +172,9 @@ def main() -> None:
     for label, calibrated in (("before", False), ("after", True)):
         tables[label] = replay_vs_measured(fit_run, runs, calibrated=calibrated, method=method, draws=args.draws)
     if args.at_own_speed:
+        # the host's speed of the moment, from target-only alone: a prediction for the other servers (their own step
+        # walls are not used), where each one's own speed is known only after the fact
+        tables["after, each pass at the speed target-only ran in it"] = at_own_speed(fit_run, runs, method, args.draws, "target")
         tables["after, each cell at its own speed"] = at_own_speed(fit_run, runs, method, args.draws)
         accepted = accepted_per_round(fit_run, runs, method)
         print("\naccepted drafts per request-round by the round's step count g, replay (calibrated) vs engine:")

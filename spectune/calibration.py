@@ -102,20 +102,29 @@ def fit_step_costs(steps: pd.DataFrame, batch_sizes) -> RoundCost:
     return RoundCost(batch_sizes=bss, target_ms=target, draft_fixed_ms=fixed, per_step_ms=per_step)
 
 
-def fit_prefill(steps: pd.DataFrame) -> tuple[float, float, float]:
-    """Prefill wall = fixed + per_token x padded tokens + per_intake x requests taken in meanwhile: least squares
-    on the compute of every prefill step (exact even when the engine idled before it), plus the median hand-out time
-    after a prefill (wall - compute). Returns (fixed, per_token, per_intake)."""
+def fit_prefill(steps: pd.DataFrame) -> tuple[float, float, float, float]:
+    """Prefill wall = fixed + per_token x T + per_token2 x T^2 + per_intake x requests taken in meanwhile (T: padded
+    tokens): least squares on the compute of every prefill step (exact even when the engine idled before it), plus
+    the median hand-out time after a prefill (wall - compute). A batch of 64 prompts costs more per token than one
+    (measured: 0.27 ms per token at 5,000 padded tokens, 0.19 at 300), so a line through both puts the prefills of
+    a few requests 10-20% off; the square term is dropped where it comes out negative. Returns (fixed, per_token,
+    per_token2, per_intake)."""
     prefill = steps[steps["kind"] == "prefill"]
     if len(prefill) < 3:
         raise SpectuneError("round logs: fewer than 3 prefill steps logged")
-    X = np.column_stack([np.ones(len(prefill)), prefill["padded_tokens"], prefill["num_intakes"]]).astype(float)
-    fixed, per_token, per_intake = np.linalg.lstsq(X, prefill["compute_ms"].to_numpy(float), rcond=None)[0]
-    if fixed < 0:
-        fixed = 0.0
-        per_token, per_intake = np.linalg.lstsq(X[:, 1:], prefill["compute_ms"].to_numpy(float), rcond=None)[0]
+    tokens = prefill["padded_tokens"].to_numpy(float)
+    X = np.column_stack([np.ones(len(prefill)), tokens, tokens**2, prefill["num_intakes"]]).astype(float)
+    y = prefill["compute_ms"].to_numpy(float)
+    columns = [0, 1, 2, 3]  # fixed, per_token, per_token2, per_intake
+    fit = lambda: dict(zip(columns, np.linalg.lstsq(X[:, columns], y, rcond=None)[0]))
+    coef = fit()
+    for term in (2, 0):  # a negative square term, then a negative fixed cost, is noise: fit without it
+        if coef.get(term, 0.0) < 0:
+            columns.remove(term)
+            coef = fit()
     post = (prefill["wall_ms"] - prefill["compute_ms"]).dropna()
-    return float(fixed + (post.median() if not post.empty else 0.0)), float(per_token), max(0.0, float(per_intake))
+    fixed = coef.get(0, 0.0) + (post.median() if not post.empty else 0.0)
+    return float(fixed), float(coef[1]), float(coef.get(2, 0.0)), max(0.0, float(coef[3]))
 
 
 def fit_client_side(steps: pd.DataFrame, requests: pd.DataFrame) -> tuple[float, float]:
@@ -148,19 +157,20 @@ def round_acceptance(joined: pd.DataFrame, tags: dict[str, str]) -> dict[str, Po
     """Per-position acceptance along the output per request tag (key "" pools all) from the engine's own record of
     every request-round of static speculative servers: how often the proposer drafted at all, and given it did,
     the conditional per-position acceptance (censored at the drafts it offered)."""
-    accepted, proposed, positions, groups, request = [], [], [], [], []
+    accepted, proposed, asked, positions, groups, request = [], [], [], [], [], []
     for k, row in enumerate(joined.itertuples()):
         if not row.e_num_steps or max(row.e_num_steps) == 0:
             continue
         tokens = np.asarray(row.chunk_tokens, dtype=np.int64)
         accepted.append(np.asarray(row.e_accepted, dtype=np.int64))
         proposed.append(np.asarray(row.e_proposed, dtype=np.int64))
+        asked.append(np.asarray(row.e_num_steps, dtype=np.int64))
         positions.append(np.cumsum(tokens)[:-1])  # output tokens before each decode step
         groups.append(np.full(len(row.e_accepted), tags.get(row.prompt, ""), dtype=object))
         request.append(np.full(len(row.e_accepted), k))
     if not accepted:
         raise SpectuneError("round logs: no request-rounds of static speculative servers to fit acceptance on")
-    accepted, proposed, positions, groups, request = map(np.concatenate, (accepted, proposed, positions, groups, request))
+    accepted, proposed, asked, positions, groups, request = map(np.concatenate, (accepted, proposed, asked, positions, groups, request))
 
     def fit(rows: np.ndarray) -> PositionalAcceptance:
         drafted = rows & (proposed > 0)
@@ -169,10 +179,12 @@ def round_acceptance(joined: pd.DataFrame, tags: dict[str, str]) -> dict[str, Po
         whole = float((proposed[rows] > 0).mean())
         shares = tuple(float((proposed[rows & (bucket == b)] > 0).mean()) if (rows & (bucket == b)).sum() >= MIN_BUCKET_ROUNDS else whole
                        for b in range(len(conditional.by_bucket)))
+        offered = offered_rates(proposed[drafted], asked[drafted])
         profile = PositionalAcceptance(conditional.by_bucket, drafted=shares)
         offsets = [_request_offset(profile, accepted[m], proposed[m], positions[m]) for i in np.unique(request[drafted])
                    if (m := drafted & (request == i)).sum() >= MIN_REQUEST_ROUNDS]
-        return PositionalAcceptance(conditional.by_bucket, drafted=shares, request_offsets=tuple(o for o in offsets if math.isfinite(o)))
+        return PositionalAcceptance(conditional.by_bucket, drafted=shares, request_offsets=tuple(o for o in offsets if math.isfinite(o)),
+                                    offered=offered)
 
     profiles = {g: fit(groups == g) for g in set(groups) if g}
     profiles[""] = fit(np.ones(len(groups), dtype=bool))
@@ -180,6 +192,22 @@ def round_acceptance(joined: pd.DataFrame, tags: dict[str, str]) -> dict[str, Po
 
 
 MIN_REQUEST_ROUNDS = 4  # drafted rounds below which a request's own acceptance is not estimated
+
+
+def offered_rates(proposed: np.ndarray, asked: np.ndarray, min_rounds: int = MIN_BUCKET_ROUNDS) -> tuple[float, ...]:
+    """From drafting request-rounds (drafts the proposer offered, step count the round asked for): for k = 2, 3, ...,
+    the share of rounds that asked for k or more and were offered k - 1 or more in which it offered k or more, up to
+    the largest k with min_rounds such rounds. Empty when every round was offered all it asked for (an EAGLE
+    head, a draft model): the replay then offers g."""
+    if (proposed >= asked).all():
+        return ()
+    rates = []
+    for k in range(2, int(asked.max(initial=0)) + 1):
+        at_risk = (asked >= k) & (proposed >= k - 1)
+        if at_risk.sum() < min_rounds:
+            break
+        rates.append(float((proposed[at_risk] >= k).mean()))
+    return tuple(rates)
 
 
 def _request_offset(profile: PositionalAcceptance, accepted: np.ndarray, proposed: np.ndarray, positions: np.ndarray) -> float:
@@ -241,10 +269,11 @@ def calibrate(run, engine: str, method: str, batch_sizes) -> Calibration:
             joined.append(j)
     steps = pd.concat(all_steps, ignore_index=True)
     joined = pd.concat(joined, ignore_index=True)
-    prefill_fixed, per_token, prefill_intake = fit_prefill(steps)
+    prefill_fixed, per_token, per_token2, prefill_intake = fit_prefill(steps)
     effects = fit_step_effects(steps)
     delivery, stream_end = fit_client_side(steps, joined)
     cost = ServingCost(decode=fit_step_costs(steps, tuple(batch_sizes)), prefill_fixed_ms=prefill_fixed, prefill_per_token_ms=per_token,
+                       prefill_per_token2_ms=per_token2,
                        request_overhead_ms=max(MIN_REQUEST_OVERHEAD_MS, fit_intake(steps, joined)), source="step clocks",
                        gather_ms_per_seq=effects.gather_ms_per_seq, intake_interference_ms=effects.intake_ms,
                        prefill_intake_ms=prefill_intake, finish_ms=effects.finish_ms, delivery_ms=delivery, stream_end_ms=stream_end)
@@ -281,7 +310,7 @@ def replay_vs_measured(fit_run, measured_runs: list, calibrated: bool, method: s
     """Per measured server (over every run given, e.g. confirm passes: their mean) the replay's predicted mean TTFT,
     TPOT and e2e next to the measured ones, with the replay fitted on fit_run (calibrated: from step clocks; else the
     older fit from round-log gaps and streamed chunks). The measured runs' traffic (workload, schedule, cap) is
-    replayed; only closed-loop traffic without arrival times cannot be."""
+    replayed: on its arrival times, or a closed loop's cell as it sent its requests (scoring.ClosedLoop)."""
     from spectune import scoring
     from spectune.costmodel import fit_sweep
     from spectune.simulate import draw_acceptance
@@ -292,7 +321,8 @@ def replay_vs_measured(fit_run, measured_runs: list, calibrated: bool, method: s
     cells = cells[cells["status"] == "ok"]
     rows = []
     for (workload, cap), group in cells.groupby(["workload", "batch_size"]):
-        replay = scoring.make_replay(fit_run, fit, horizon, seed, workload, int(cap), calibrated)
+        loop = closed_loop_of(measured_runs[int(group["run"].iloc[0])], group.iloc[0])
+        replay = scoring.make_replay(fit_run, fit, horizon, seed, workload, int(cap), calibrated, loop)
         all_draws = [draw_acceptance(replay.traffic, replay.profiles, horizon, seed + k) for k in range(draws)]
         for server, mine in group.groupby("server"):
             policy = server_policy(mine.iloc[0], fit.method)
@@ -303,12 +333,31 @@ def replay_vs_measured(fit_run, measured_runs: list, calibrated: bool, method: s
             sims = [simulate_requests(replay.traffic, policy, replay.cost, d, max_num_seqs=replay.max_num_seqs) for d in all_draws]
             row = {"workload": workload, "max_concurrency": int(cap), "server": server, "passes": len(mine)}
             for name, column in FIGURES.items():
-                predicted = float(np.mean([getattr(s, name) for s in sims]))
+                predicted = float(np.mean([replayed_figure(s, name, closed=loop is not None) for s in sims]))
                 measured = float(mine[column].mean())
                 row |= {f"{name}_predicted": predicted, f"{name}_measured": measured, f"{name}_error": predicted / measured - 1.0,
                         f"{name}_measured_sd": float(mine[column].std(ddof=1)) if len(mine) > 1 else math.nan}
             rows.append(row)
     return pd.DataFrame(rows)
+
+
+def replayed_figure(sim, name: str, closed: bool) -> float:
+    """A replay's mean TTFT, TPOT or e2e (FIGURES) as spectune.analysis measures it: in a closed loop a request's
+    clock starts when it is sent (all of its traffic "arrives" at 0 and waits for a slot), else at its arrival."""
+    if closed and name in ("ttft_ms", "e2e_ms"):
+        return float(sim.requests[name.replace("_ms", "_from_send_ms")].mean())
+    return float(getattr(sim, name))
+
+
+def closed_loop_of(run, cell: pd.Series):
+    """What a closed-loop cell of `run` sent (scoring.ClosedLoop), or None for traffic on its arrival times."""
+    from spectune.plan import plan_from_dict
+    from spectune.scoring import ClosedLoop
+
+    if cell.get("schedule") != "closed":
+        return None
+    plan = plan_from_dict(run.manifest["plan"])
+    return ClosedLoop(num_prompts=plan.num_prompts(int(cell["batch_size"])), max_tokens=plan.max_tokens, seed=plan.seed)
 
 
 def predicted_walls(steps: pd.DataFrame, cost: ServingCost) -> np.ndarray:

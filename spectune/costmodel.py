@@ -705,8 +705,9 @@ MIN_REQUEST_OVERHEAD_MS = 0.1
 @dataclass(frozen=True, slots=True)
 class ServingCost:
     """Wall time of the engine's steps, for spectune.simulate.simulate_requests: a decode step at batch size bs
-    and g drafts costs decode.t_round(bs, g); a prefill step of prompts p_1..p_B costs fixed + per_token x B x
-    max(p) (the engine pads the admitted prompts to the longest). The server takes requests in one at a time,
+    and g drafts costs decode.t_round(bs, g); a prefill step of prompts p_1..p_B costs fixed + per_token x T +
+    per_token2 x T^2, T = B x max(p) padded tokens (the engine pads the admitted prompts to the longest; a large
+    batch of prompts costs more per token than one). The server takes requests in one at a time,
     request_overhead_ms each (HTTP, tokenizing), before the engine sees them; TTFT and e2e include it."""
 
     decode: RoundCost
@@ -727,9 +728,11 @@ class ServingCost:
     # stream has ended, freeing a slot for the next request, stream_end_ms later.
     delivery_ms: float = 0.0
     stream_end_ms: float = 0.0
+    prefill_per_token2_ms: float = 0.0  # per squared padded token (0 = linear, as older fits)
 
     def t_prefill(self, prompt_tokens: Sequence[int]) -> float:
-        return self.prefill_fixed_ms + self.prefill_per_token_ms * len(prompt_tokens) * max(prompt_tokens)
+        padded = len(prompt_tokens) * max(prompt_tokens)
+        return self.prefill_fixed_ms + self.prefill_per_token_ms * padded + self.prefill_per_token2_ms * padded * padded
 
 
 def read_step_log(path) -> pd.DataFrame:
@@ -840,6 +843,16 @@ class PositionalAcceptance:
     # Per measured request of the group, its acceptance's shift in log-odds from by_bucket (spectune.calibration): a
     # replay gives each request one of them, so requests of one kind differ as measured ones did. Empty: all alike.
     request_offsets: tuple[float, ...] = ()
+    # offered[k - 2]: in a round that drafted, the chance that the proposer offered at least k drafts when it offered
+    # k - 1 and the round asked for k or more (an n-gram match whose continuation runs out). Empty: it offers all asked.
+    offered: tuple[float, ...] = ()
+
+    def offered_rates(self, horizon: int) -> np.ndarray:
+        """[H - 1]: offered's chances for k = 2..H, the last one carried past the measured positions (1 without it)."""
+        if not self.offered:
+            return np.ones(max(horizon - 1, 0))
+        rates = np.asarray(self.offered, dtype=float)
+        return np.concatenate([rates, np.full(max(horizon - 1 - len(rates), 0), rates[-1])])[: max(horizon - 1, 0)]
 
     def rate_matrix(self, num_positions: int, horizon: int) -> np.ndarray:
         """[P, H]: a_1..a_H for a round starting after p = 0..P-1 output tokens."""

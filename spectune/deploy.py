@@ -125,6 +125,7 @@ def replay_report(replay: Replay) -> dict[str, object]:
             "decode": [{"batch_size": b, "target_ms": t0, "draft_fixed_ms": f, "per_step_ms": s}
                        for b, t0, f, s in zip(c.decode.batch_sizes, c.decode.target_ms, c.decode.draft_fixed_ms, c.decode.per_step_ms)],
             "prefill_fixed_ms": c.prefill_fixed_ms, "prefill_per_token_ms": c.prefill_per_token_ms,
+            "prefill_per_token2_ms": c.prefill_per_token2_ms,
             "request_overhead_ms": c.request_overhead_ms,
             "source": c.source, "gather_ms_per_seq": c.gather_ms_per_seq, "intake_interference_ms": c.intake_interference_ms,
             "prefill_intake_ms": c.prefill_intake_ms, "finish_ms": c.finish_ms,

@@ -151,13 +151,14 @@ def make_bench(run: Run, objective: str, seed: int, method: str | None = None, t
 
 
 def make_replay(run: Run, fit: CostFit, horizon: int, seed: int, traffic_source: str | None = None,
-                max_concurrency: int | None = None, calibrated: bool = True) -> Replay:
+                max_concurrency: int | None = None, calibrated: bool = True, closed_loop: ClosedLoop | None = None) -> Replay:
     """The replay bench of a sweep: its traffic, serving cost and acceptance by workload phase (module docstring).
     At most max_concurrency requests in flight (default: the sweep's largest batch size), and as many engine slots:
-    a trace-schedule sweep launches the engine with --max-num-seqs = its cap on requests in flight."""
+    a trace-schedule sweep launches the engine with --max-num-seqs = its cap on requests in flight. closed_loop: the
+    requests of a closed-loop cell instead, all ready at 0 (replay_traffic)."""
     plan = run.manifest.get("plan", {})
     max_num_seqs = max_concurrency or max(plan.get("batch_sizes") or fit.cost.batch_sizes)
-    traffic = replay_traffic(run, traffic_source or plan["workload"], max_num_seqs)
+    traffic = replay_traffic(run, traffic_source or plan["workload"], max_num_seqs, closed_loop)
     cost, profiles = replay_terms(run, fit, calibrated)
     pooled = profiles.pop("")
     profiles = {g: profiles.get(g, pooled) for g in set(traffic.groups)}
@@ -183,15 +184,31 @@ def _prompt_key(request) -> str:
     return request.prompt if request.prompt is not None else "\n".join(f"{role}: {text}" for role, text in request.messages or ())
 
 
-def replay_traffic(run: Run, source: str, max_concurrency: int) -> Traffic:
-    """The requests of `source` on their arrival_s, each writing the plan's max_tokens. Prompt tokens are what the
-    sweep's server counted for the same prompt; prompts it never saw are tokenized with the embedded engine's
-    tokenizer (an embedded-engine sweep), else estimated from their length in characters at the sweep's median
-    tokens per character."""
+@dataclass(frozen=True, slots=True)
+class ClosedLoop:
+    """What a closed-loop cell sent: the first num_prompts requests of its workload (cycled past its end, as the
+    sweep does), each writing max_tokens, a new one sent as soon as one of the batch size's slots frees."""
+
+    num_prompts: int
+    max_tokens: int | None
+    seed: int = 0  # the order of the passes past the set's end (spectune.workload.load_requests)
+
+
+def replay_traffic(run: Run, source: str, max_concurrency: int, closed_loop: ClosedLoop | None = None) -> Traffic:
+    """The requests of `source` on their arrival_s, each writing the plan's max_tokens; or, for a closed loop, the
+    requests its cell sent, all arriving at 0 (the cap on requests in flight then paces them). Prompt tokens are
+    what the sweep's server counted for the same prompt; prompts it never saw are tokenized with the embedded
+    engine's tokenizer (an embedded-engine sweep), else estimated from their length in characters at the sweep's
+    median tokens per character."""
     from spectune.workload import load_requests
 
     plan = run.manifest.get("plan", {})
-    requests = load_requests(source, max_tokens=plan.get("max_tokens"))
+    if closed_loop is not None:
+        requests = load_requests(source, num_prompts=closed_loop.num_prompts, max_tokens=closed_loop.max_tokens or plan.get("max_tokens"),
+                                 seed=closed_loop.seed)
+        requests = [replace(r, arrival_s=0.0) for r in requests]
+    else:
+        requests = load_requests(source, max_tokens=plan.get("max_tokens"))
     if any(r.arrival_s is None for r in requests):
         raise SpectuneError(f"traffic {source}: requests without arrival_s; replay objectives need a workload with arrival_s on every line")
     measured = run.requests.dropna(subset=["prompt_tokens"]) if "prompt" in run.requests else pd.DataFrame()

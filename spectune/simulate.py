@@ -522,8 +522,9 @@ def window_profiles(trace: Trace, window: int = 50) -> list[AcceptanceProfile]:
 #   max_prefill_tokens); each gains its first token when the step ends. Otherwise every running request decodes:
 #   the policy picks g for the batch; a request that has p output tokens accepts min(accepted at the horizon at p, g)
 #   drafts and gains that + 1 tokens (cut at its output length); the policy is fed the accepted drafts, as the
-#   engine does. The step costs the drafts the engine verifies: g, or 0 when no request of the batch drafted (an
-#   n-gram proposer that found no match; AcceptanceDraws.drafted). Step costs are walls, start to next start (the
+#   engine does. The step costs the drafts the engine verifies: g, or the most any request of the batch was offered
+#   (an n-gram match's continuation can run out; AcceptanceDraws.offered), or 0 when none drafted (an n-gram
+#   proposer that found no match; AcceptanceDraws.drafted). Step costs are walls, start to next start (the
 #   tokens are handed out at the end of a wall: measured, chunks reach the client then, spectune.calibration).
 # - A request finishes (frees its engine slot and its client slot) at the end of the step that completes it.
 
@@ -554,6 +555,7 @@ class AcceptanceDraws:
     horizon: int
     accepted: np.ndarray  # [N, P] int, P >= the largest output length
     drafted: np.ndarray | None = None  # [N, P] bool: the proposer offered drafts (None: always); accepted is 0 where not
+    offered: np.ndarray | None = None  # [N, P] int: the most drafts the proposer offers there (None: all asked); accepted <= it
 
 
 def draw_acceptance(traffic: Traffic, profiles: dict[str, PositionalAcceptance], horizon: int, seed: int) -> AcceptanceDraws:
@@ -572,11 +574,16 @@ def draw_acceptance(traffic: Traffic, profiles: dict[str, PositionalAcceptance],
         clipped = np.clip(rates, 1e-4, 1 - 1e-4)
         rates = 1 / (1 + np.exp(-(np.log(clipped / (1 - clipped)) + theta[:, None, None])))
     accepted = np.cumprod(draws < rates, axis=2).sum(axis=2)  # [N, P]: leading accepted drafts
+    offered = None
+    if any(profiles[g].offered for g in set(traffic.groups)):  # an n-gram match's continuation can run out before g
+        more = np.stack([profiles[g].offered_rates(horizon) for g in traffic.groups])  # [N, H - 1]
+        offered = 1 + np.cumprod(rng.random((traffic.num_requests, positions, horizon - 1)) < more[:, None, :], axis=2).sum(axis=2)
+        accepted = np.minimum(accepted, offered)
     if not any(profiles[g].drafted for g in set(traffic.groups)):
-        return AcceptanceDraws(horizon=horizon, accepted=accepted)
+        return AcceptanceDraws(horizon=horizon, accepted=accepted, offered=offered)
     shares = np.stack([profiles[g].drafted_vector(positions) for g in traffic.groups])  # [N, P]
     drafted = rng.random((traffic.num_requests, positions)) < shares
-    return AcceptanceDraws(horizon=horizon, accepted=accepted * drafted, drafted=drafted)
+    return AcceptanceDraws(horizon=horizon, accepted=accepted * drafted, drafted=drafted, offered=offered)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -684,14 +691,16 @@ def simulate_requests(
             continue
         batch = np.array(running)  # [B]
         at_horizon = draws.accepted[batch, generated[batch]]  # [B]
-        drafted = draws.drafted is None or bool(draws.drafted[batch, generated[batch]].any())
+        drafting = np.ones(len(batch), dtype=bool) if draws.drafted is None else draws.drafted[batch, generated[batch]]
         remaining = output[batch] - generated[batch]
         g = live.choose(at_horizon, remaining)
         accepted = np.minimum(at_horizon, g)
         gained = np.minimum(accepted + 1, remaining)
-        # The engine verifies as many drafts as were offered, and reads the KV cache through a view only when the
-        # batch's slots are one run (else it gathers the rows).
-        ms = cost.decode.t_round(len(batch), 0) if g == 0 else cost.decode.t_speculative(len(batch), g if drafted else 0)
+        # The engine verifies as many drafts as the most generous request was offered (0 when none drafted), and reads
+        # the KV cache through a view only when the batch's slots are one run (else it gathers the rows).
+        drafted = bool(drafting.any())
+        width = 0 if not drafted else g if draws.offered is None else min(g, int(draws.offered[batch, generated[batch]][drafting].max()))
+        ms = cost.decode.t_round(len(batch), 0) if g == 0 else cost.decode.t_speculative(len(batch), width)
         if np.ptp(slot[batch]) + 1 != len(batch):
             ms += cost.gather_ms_per_seq * len(batch)
         t = wall(start, ms, cost.intake_interference_ms)

@@ -13,7 +13,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from spectune.calibration import _request_offset, calibrate, fit_step_effects, quiet_cells, replay_vs_measured, speed_index
+from spectune.calibration import (
+    _request_offset,
+    calibrate,
+    closed_loop_of,
+    fit_prefill,
+    fit_step_effects,
+    offered_rates,
+    quiet_cells,
+    replay_vs_measured,
+    speed_index,
+)
 from spectune.steplog import cell_windows, has_step_clocks, in_windows, join_run, step_frame
 from spectune.store import load_run
 from sweep_helpers import sweep_cmd
@@ -187,6 +197,26 @@ def test_replay_of_a_measured_trace_run_sits_beside_it(runs):
         assert (table[f"{name}_predicted"] / table[f"{name}_measured"]).between(0.5, 2.0).all()
 
 
+def test_replay_of_a_closed_loop_run_sends_what_each_cell_sent_and_times_requests_from_their_send(runs):
+    """A closed loop has no arrival times: its replay sends the cell's own requests, all ready at 0, and (as the load
+    generator) starts each request's clock when a slot frees and it is sent, not at 0."""
+    from spectune import scoring
+    from spectune.costmodel import fit_sweep
+
+    closed = load_run(runs[0])
+    for cell in closed.cells.itertuples():
+        loop = closed_loop_of(closed, closed.cells.loc[cell.Index])
+        assert loop is not None and loop.num_prompts == cell.num_requests
+        replay = scoring.make_replay(closed, fit_sweep(closed.cells, method="ngram"), 3, 0, cell.workload, int(cell.batch_size),
+                                     True, loop)
+        assert replay.traffic.num_requests == cell.num_requests and not replay.traffic.arrival_ms.any()
+    assert closed_loop_of(load_run(runs[1]), load_run(runs[1]).cells.iloc[0]) is None  # trace traffic keeps its arrivals
+    table = replay_vs_measured(closed, [closed], calibrated=True, method="ngram")
+    assert sorted(zip(table["server"], table["max_concurrency"])) == [(s, b) for s in ("ngram-g1", "ngram-g3", "target") for b in (1, 4)]
+    for name in ("ttft_ms", "tpot_ms", "e2e_ms"):  # from arrival at 0, the 8th request at batch 1 would wait for seven others
+        assert (table[f"{name}_predicted"] / table[f"{name}_measured"]).between(0.5, 2.0).all(), table[[f"{name}_predicted", f"{name}_measured"]]
+
+
 def test_quiet_cells_keep_every_server_and_batch_size_at_its_least_disturbed_cell():
     """A busy moment during all of one server's cells at a batch size must not take that batch size out of the fit
     (CI once failed `spectune tune` so: no clean target-only steps left)."""
@@ -195,3 +225,26 @@ def test_quiet_cells_keep_every_server_and_batch_size_at_its_least_disturbed_cel
     kept = quiet_cells(cells)
     assert sorted(zip(kept["server"], kept["batch_size"], kept["foreign_cpu_cores"])) == [
         ("ngram", 1, 0.0), ("target", 1, 0.6), ("target", 4, 0.1)]
+
+
+def test_offered_rates_count_only_rounds_that_asked_for_that_many_drafts():
+    # g = 2 rounds offered 2, 2, 1, 2; g = 4 rounds offered 4, 3, 2, 4, 1. k = 2: all 9 asked for >= 2 and were offered
+    # >= 1, 7 got >= 2. k = 3: the g = 4 rounds offered >= 2 (4 of them), 3 got >= 3. k = 4: of those 3, 2 got 4.
+    proposed = np.array([2, 2, 1, 2, 4, 3, 2, 4, 1])
+    asked = np.array([2, 2, 2, 2, 4, 4, 4, 4, 4])
+    assert offered_rates(proposed, asked, min_rounds=1) == pytest.approx((7 / 9, 3 / 4, 2 / 3))
+    assert offered_rates(proposed, asked, min_rounds=4) == pytest.approx((7 / 9, 3 / 4))  # k = 4: too few rounds to say
+    assert offered_rates(np.array([3, 3, 1, 1]), np.array([3, 3, 1, 1])) == ()  # always all it asked for (an EAGLE head)
+
+
+def test_prefill_cost_grows_faster_than_its_tokens_where_the_steps_say_so():
+    """A batch of many prompts costs more per token than one (measured on the engine); a line through both would put
+    small prefills off. A square term is fitted where the steps curve up, and left out where it would come out < 0."""
+    tokens = np.array([90, 180, 270, 400, 900, 2000, 5000, 120, 3000], dtype=float)
+    intakes = np.array([0, 1, 0, 2, 0, 1, 0, 0, 3], dtype=float)
+    curved = pd.DataFrame({"kind": "prefill", "padded_tokens": tokens, "num_intakes": intakes,
+                           "compute_ms": 2.0 + 0.15 * tokens + 2e-5 * tokens**2 + 0.4 * intakes})
+    fixed, per_token, per_token2, per_intake = fit_prefill(curved.assign(wall_ms=curved["compute_ms"] + 0.3))
+    assert (fixed, per_token, per_token2, per_intake) == pytest.approx((2.3, 0.15, 2e-5, 0.4), rel=1e-6)
+    flat = curved.assign(compute_ms=2.0 + 0.2 * tokens - 1e-6 * tokens**2 + 0.4 * intakes)
+    assert fit_prefill(flat.assign(wall_ms=flat["compute_ms"]))[2] == 0.0  # concave: a line, never a negative square

@@ -223,3 +223,26 @@ def test_the_server_takes_a_burst_in_one_request_at_a_time_so_the_first_is_prefi
                                every_round_accepts(3, 0, 1), max_num_seqs=4)
     assert result.steps["batch_size"].tolist() == [1, 2]
     assert result.requests["ttft_ms"].tolist() == pytest.approx([7, 17, 17])
+
+
+def test_a_proposer_that_offers_fewer_drafts_caps_what_is_accepted_and_what_is_verified():
+    # Two requests, g = 3 asked: one is offered 1 draft, the other 2, and each would accept all 3 at the horizon. The
+    # first gains 2 tokens, the second 3, and the step verifies 2 drafts (the most offered): 10 + 2 + 2 = 14 ms.
+    accepted = np.full((2, 16), 3)
+    offered = np.stack([np.full(16, 1), np.full(16, 2)])
+    draws = AcceptanceDraws(3, np.minimum(accepted, offered), offered=offered)
+    result = simulate_requests(traffic([0, 0], [10, 10], [4, 4]), StaticPolicy(3), serving(), draws, max_num_seqs=2)
+    first = result.steps[result.steps["kind"] == "decode"].iloc[0]
+    assert (first.batch_size, first.tokens, first.ms) == (2, 5, pytest.approx(14.0))
+
+
+def test_drawn_acceptance_never_passes_the_drafts_drawn_as_offered():
+    # Every draft offered is accepted; the second draft is offered half the time, the third never.
+    profile = PositionalAcceptance((AcceptanceProfile((1.0, 1.0, 1.0)),), offered=(0.5, 0.0))
+    draws = draw_acceptance(traffic([0] * 200, [10] * 200, [8] * 200), {"g": profile}, horizon=3, seed=0)
+    assert set(np.unique(draws.offered)) == {1, 2}
+    assert (draws.accepted == draws.offered).all()
+    assert 0.4 < (draws.offered == 2).mean() < 0.6
+    plain = draw_acceptance(traffic([0] * 5, [10] * 5, [8] * 5), {"g": PositionalAcceptance((AcceptanceProfile((1.0, 1.0, 1.0)),))},
+                            horizon=3, seed=0)
+    assert plain.offered is None and (plain.accepted == 3).all()
