@@ -106,7 +106,7 @@ def fit_prefill(steps: pd.DataFrame) -> tuple[float, float, float, float]:
     """Prefill wall = fixed + per_token x T + per_token2 x T^2 + per_intake x requests taken in meanwhile (T: padded
     tokens): least squares on the compute of every prefill step (exact even when the engine idled before it), plus
     the median hand-out time after a prefill (wall - compute). A batch of 64 prompts costs more per token than one
-    (measured: 0.27 ms per token at 5,000 padded tokens, 0.19 at 300), so a line through both puts the prefills of
+    (measured: 0.29 ms per token at 5,000 padded tokens, 0.19 at 300), so a line through both puts the prefills of
     a few requests 10-20% off; the square term is dropped where it comes out negative. Returns (fixed, per_token,
     per_token2, per_intake)."""
     prefill = steps[steps["kind"] == "prefill"]

@@ -649,10 +649,10 @@ def simulate_requests(
         if client_free is not None:
             heapq.heappush(client_free, t + cost.stream_end_ms)
 
-    def wall(start: float, ms: float, per_intake: float) -> float:
-        """A step's end: its own cost, the stream ends of the requests finished at the step before, and every request
-        the server takes in meanwhile (ServingCost)."""
-        ms += cost.finish_ms * just_finished
+    def wall(start: float, ms: float, per_intake: float, finish_ms: float) -> float:
+        """A step's end: its own cost, the stream ends of the requests finished at the step before (finish_ms each),
+        and every request the server takes in meanwhile (ServingCost)."""
+        ms += finish_ms * just_finished
         if per_intake:
             ms += per_intake * sum(1 for i in inbox if start < ready[i] <= start + ms)
         return start + ms
@@ -679,7 +679,9 @@ def simulate_requests(
         if admitted:
             for i in admitted:
                 slot[i] = heapq.heappop(free_slots)
-            t = wall(start, cost.t_prefill(prompt[admitted].tolist()), cost.prefill_intake_ms)
+            # the stream ends slow the decode steps they overlap (fitted there); a prefill's tensor work leaves the
+            # interpreter free for them (calibration.predicted_walls charges them to decode steps alone too)
+            t = wall(start, cost.t_prefill(prompt[admitted].tolist()), cost.prefill_intake_ms, 0.0)
             just_finished = 0
             first[admitted] = t
             generated[admitted] = 1
@@ -703,7 +705,7 @@ def simulate_requests(
         ms = cost.decode.t_round(len(batch), 0) if g == 0 else cost.decode.t_speculative(len(batch), width)
         if np.ptp(slot[batch]) + 1 != len(batch):
             ms += cost.gather_ms_per_seq * len(batch)
-        t = wall(start, ms, cost.intake_interference_ms)
+        t = wall(start, ms, cost.intake_interference_ms, cost.finish_ms)
         just_finished = 0
         generated[batch] += gained
         rounds[batch] += 1

@@ -246,3 +246,14 @@ def test_drawn_acceptance_never_passes_the_drafts_drawn_as_offered():
     plain = draw_acceptance(traffic([0] * 5, [10] * 5, [8] * 5), {"g": PositionalAcceptance((AcceptanceProfile((1.0, 1.0, 1.0)),))},
                             horizon=3, seed=0)
     assert plain.offered is None and (plain.accepted == 3).all()
+
+
+def test_stream_ends_slow_the_next_decode_step_not_a_prefill():
+    # finish_ms = 5 per request that finished at the step before, fitted on decode steps. r0 finishes at 30; the step
+    # after it prefills r2 (10 ms, not 15: its tensor work leaves the interpreter free for the stream end); r2 then
+    # finishes at 50 and the decode after it pays 10 + 5.
+    cost = ServingCost(decode=FLAT, prefill_fixed_ms=0.0, prefill_per_token_ms=1.0, request_overhead_ms=0.0, finish_ms=5.0)
+    result = simulate_requests(traffic([0, 0, 25], [10, 10, 10], [2, 4, 2]), StaticPolicy(0), cost, every_round_accepts(3, 0, 1),
+                               max_num_seqs=4)
+    assert result.steps[["kind", "ms"]].values.tolist() == [["prefill", 20.0], ["decode", 10.0], ["prefill", 10.0], ["decode", 10.0],
+                                                            ["decode", 15.0]]
