@@ -14,7 +14,8 @@ replayed (or those of --passes-dir, e.g. a `spectune confirm` directory) with th
   decode step charged its policy's g whatever was drafted, acceptance from the streamed chunks);
 - after: spectune.calibration (step clocks, verify width, the engine's own request-rounds with the drafted share).
 With --at-own-speed, also each server replayed pass by pass on a host as fast as target-only's engine ran in that
-pass (every cost times its cells' total measured step wall / the wall the replay charges for those very steps): the
+pass (decode and prefill costs each times its cells' measured step wall / the wall the replay charges for those very
+steps, of that kind): the
 host's speed of the moment, measured on the baseline alone, so still a prediction for every other server; then each
 server at the speed its own engine ran in that cell: what the replay leaves out besides the host's speed, a
 diagnostic only (the speed is known after the fact); and the accepted
@@ -44,14 +45,31 @@ from spectune.store import load_run
 from spectune.sweep import run_sweep
 
 
-def scaled(cost: ServingCost, k: float) -> ServingCost:
-    """`cost` on a host k times slower: every step, intake and hand-out term times k."""
+PREFILL_TERMS = ("prefill_fixed_ms", "prefill_per_token_ms", "prefill_per_token2_ms", "prefill_intake_ms")
+DECODE_TERMS = ("request_overhead_ms", "gather_ms_per_seq", "intake_interference_ms", "finish_ms", "delivery_ms", "stream_end_ms")
+
+
+def scaled(cost: ServingCost, k: float, k_prefill: float | None = None) -> ServingCost:
+    """`cost` on a host k times slower at decode steps (and what the interpreter does between them: intake, hand-out)
+    and k_prefill times slower at prefill steps (default: k too)."""
     d = cost.decode
     decode = replace(d, target_ms=tuple(k * t for t in d.target_ms), draft_fixed_ms=tuple(k * t for t in d.draft_fixed_ms),
                      per_step_ms=tuple(k * t for t in d.per_step_ms), request_ms=tuple(k * t for t in d.request_ms))
-    terms = ("prefill_fixed_ms", "prefill_per_token_ms", "prefill_per_token2_ms", "request_overhead_ms", "gather_ms_per_seq", "intake_interference_ms",
-             "prefill_intake_ms", "finish_ms", "delivery_ms", "stream_end_ms")
-    return replace(cost, decode=decode, **{t: k * getattr(cost, t) for t in terms})
+    k_prefill = k if k_prefill is None else k_prefill
+    return replace(cost, decode=decode, **{t: k * getattr(cost, t) for t in DECODE_TERMS},
+                   **{t: k_prefill * getattr(cost, t) for t in PREFILL_TERMS})
+
+
+def speeds_of(steps: pd.DataFrame, cost: ServingCost) -> tuple[float, float]:
+    """(decode, prefill): measured step wall over the wall the replay charges for those very steps, per kind. A busy
+    host slows the two apart (measured: decode steps 1.1-1.6x the fit's cost while prefills stayed at 0.9-1.2x), so one
+    figure for both overcharges the prefills and with them TTFT."""
+    predicted = predicted_walls(steps, cost)
+    decode = (steps["kind"] == "decode").to_numpy()
+    walls = steps["wall_ms"].to_numpy(float)
+    k = float(walls[decode].sum() / np.nansum(predicted[decode]))
+    k_prefill = float(walls[~decode].sum() / np.nansum(predicted[~decode])) if (~decode).any() else k
+    return k, k_prefill
 
 
 def at_own_speed(fit_run, runs: list, method: str, draws: int, speed_of: str | None = None) -> pd.DataFrame:
@@ -72,12 +90,13 @@ def at_own_speed(fit_run, runs: list, method: str, draws: int, speed_of: str | N
         for run in runs:
             steps = step_frame(run.round_logs[speed_of or server])
             steps = steps[steps["wall_ms"].notna()]
-            k = float(steps["wall_ms"].sum() / np.nansum(predicted_walls(steps, replay.cost)))
-            sims = [simulate_requests(replay.traffic, policy, scaled(replay.cost, k), a, max_num_seqs=replay.max_num_seqs) for a in acceptance]
+            k, k_prefill = speeds_of(steps, replay.cost)
+            sims = [simulate_requests(replay.traffic, policy, scaled(replay.cost, k, k_prefill), a, max_num_seqs=replay.max_num_seqs)
+                    for a in acceptance]
             predicted.append({f: np.mean([replayed_figure(x, f, closed=loop is not None) for x in sims]) for f in FIGURES})
             measured.append(run.cells[run.cells["server"] == server].iloc[0])
-            speeds.append(k)
-        row = {"server": server, "speeds": " / ".join(f"{k:.2f}" for k in speeds)}
+            speeds.append((k, k_prefill))
+        row = {"server": server, "speeds": " / ".join(f"{k:.2f} ({kp:.2f})" for k, kp in speeds)}
         for f, column in FIGURES.items():
             m = float(np.mean([c[column] for c in measured]))
             row |= {f"{f}_measured": m, f"{f}_predicted": float(np.mean([p[f] for p in predicted])),
@@ -185,7 +204,7 @@ def main() -> None:
         cols = ["server"] + [f"{m}_{k}" for m in ("ttft_ms", "tpot_ms", "e2e_ms") for k in ("measured", "predicted", "error")]
         print(table[cols].to_string(index=False, float_format="%.3f"))
         if "speeds" in table:
-            print("speeds (measured step wall / the replay's, per pass): " + "; ".join(f"{r.server} {r.speeds}" for r in table.itertuples()))
+            print("speeds (measured step wall / the replay's, per pass: decode (prefill)): " + "; ".join(f"{r.server} {r.speeds}" for r in table.itertuples()))
     foreign = pd.concat([r.cells for r in runs])["foreign_cpu_cores"]
     print(f"\nother work on the machine during the counted cells: mean {foreign.mean():.2f} cores, max {foreign.max():.2f}")
     record = {k: t.to_dict("records") for k, t in tables.items()} | {"passes": len(passes), "not_counted": disturbed}
