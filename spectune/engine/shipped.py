@@ -142,6 +142,9 @@ def gguf_convert(model_dir: Path, out: Path) -> Path:
     if done.returncode != 0 or not staging.is_file():
         staging.unlink(missing_ok=True)
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        if "No module named" in last:  # the converter imports transformers, gguf's deps: not in spectune's [engine] extra
+            raise SpectuneError(f"{model_dir}: GGUF conversion needs a module this Python lacks ({last}); "
+                                "pip install transformers, then run again")
         raise SpectuneError(f"{model_dir}: GGUF conversion failed ({last}); check the dir is an HF Llama model")
     os.replace(staging, out)
     return out
