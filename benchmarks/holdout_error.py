@@ -74,13 +74,6 @@ def _variant(name: str) -> dict[str, object]:
     return patch
 
 
-def noise_floor(cells: pd.DataFrame) -> float:
-    ok = cells[(cells["status"] == "ok") & cells["is_speculative"].astype(bool)]
-    pairs = ok.groupby(["server", "batch_size"])["output_throughput_tps"].agg(["min", "max", "size"])
-    pairs = pairs[pairs["size"] >= 2]
-    return float((100.0 * (pairs["max"] - pairs["min"]) / (pairs["max"] + pairs["min"])).mean())
-
-
 def relaunch_noise(a: pd.DataFrame, b: pd.DataFrame) -> tuple[float, float]:
     """Half the difference of each (server, batch size)'s mean tok/s between two runs of one plan (every server launched
     again, minutes later), as a share of their mean: (mean, max) %. What a cell's prediction from cells measured in
@@ -93,10 +86,13 @@ def relaunch_noise(a: pd.DataFrame, b: pd.DataFrame) -> tuple[float, float]:
 
 def main() -> None:
     import spectune.holdout as holdout
+    from spectune.holdout import noise_floor
 
     for path in map(Path, sys.argv[1:]):
         cells = load_run(path).cells
-        print(f"\n{path}: noise floor (half the repeat-to-repeat difference of tok/s) {noise_floor(cells):.1f}%")
+        floor = noise_floor(cells)
+        print(f"\n{path}: noise floor (half the repeat-to-repeat difference of tok/s) "
+              + (f"{floor:.1f}%" if floor is not None else "not known (no cell measured twice)"))
         print("| model | held out | method | cells | TPOT mean / max | tok/s mean / max | speedup mean / max |")
         print("|---|---|---|---|---|---|---|")
         for name in VARIANTS:

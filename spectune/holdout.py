@@ -14,6 +14,10 @@ held out):
   interpolated in log batch size for a held-out one;
 - output throughput: 1000 x batch size / predicted ms per token;
 - speedup over target-only: target-only's measured ms per token / predicted ms per token.
+
+Beside it the noise floor: half the difference between two repeats of one speculative cell's output tokens/s, as a
+share of their mean (mean over cells). A held-out error near it is the measurement's, not the model's: no model
+predicts a cell closer than the cell agrees with itself.
 """
 
 from __future__ import annotations
@@ -77,7 +81,21 @@ def holdout_report(cells: pd.DataFrame) -> dict[str, object]:
                    "TPOT, output tokens/s and speedup over target-only",
         "summary": holdout_summary(predictions).to_dict("records"),
         "cells": predictions.to_dict("records"),
+        "noise_floor_pct": noise_floor(cells),
+        "noise_floor_meaning": "half the difference between two repeats of a speculative cell's output tokens/s, as % of "
+                               "their mean (mean over cells measured twice or more): a held-out error near it is the "
+                               "measurement's, not the model's",
     }
+
+
+def noise_floor(cells: pd.DataFrame) -> float | None:
+    """Mean over speculative (server, batch size) cells measured twice or more without failures of (max - min) /
+    (max + min) of their output tokens/s, in %; None with no repeats."""
+    usable, _ = split_failed(cells)  # the cells the held-out error is computed on
+    ok = usable[usable["is_speculative"].astype(bool)].dropna(subset=["output_throughput_tps"])
+    pairs = ok.groupby(["server", "batch_size"])["output_throughput_tps"].agg(["min", "max", "size"])
+    pairs = pairs[pairs["size"] >= 2]
+    return float((100.0 * (pairs["max"] - pairs["min"]) / (pairs["max"] + pairs["min"])).mean()) if len(pairs) else None
 
 
 def holdout_lines(report: dict[str, object]) -> list[str]:
@@ -91,6 +109,13 @@ def holdout_lines(report: dict[str, object]) -> list[str]:
         what = "leave one step count out" if row["holdout"] == "step_count" else "leave one batch size out"
         figures = ", ".join(f"{m} {row[f'{m}_mean_abs_pct']:.1f}% (max {row[f'{m}_max_abs_pct']:.1f}%)" for m in METRICS)
         lines.append(f"held-out error, {what} ({row['cells']} cells): mean abs {figures}")
+    if "noise_floor_pct" not in report:  # a tuning.json written before the noise floor was reported
+        return lines
+    if (floor := report["noise_floor_pct"]) is not None:
+        lines.append(f"noise floor: {floor:.1f}% (each of two repeats of a cell lies this far from their mean tok/s, on "
+                     f"average; a held-out error near it is the measurement's, not the model's)")
+    else:
+        lines.append("noise floor: not known (no cell measured twice; repeats = 2 in the plan measures it)")
     return lines
 
 

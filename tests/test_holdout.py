@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from spectune.costmodel import AcceptanceProfile, RoundCost, fit_sweep, recommend, server_factors
-from spectune.holdout import holdout_lines, holdout_predictions, holdout_report, holdout_summary
+from spectune.holdout import holdout_lines, holdout_predictions, holdout_report, holdout_summary, noise_floor
 from synthetic_sweep import SYNTHETIC_PROFILES, synthetic_cells
 
 # Verify cost linear in batch size (tokens) beyond the measured range: the truth below is exactly linear in bs.
@@ -33,7 +33,23 @@ def test_noise_shows_in_the_held_out_error_and_the_summary_has_every_metric():
     assert (both["throughput_mean_abs_pct"] > 0.5).all()  # 5% noise per cell cannot be predicted away
     assert (both["throughput_max_abs_pct"] >= both["throughput_mean_abs_pct"]).all()
     lines = holdout_lines(holdout_report(cells))
-    assert len(lines) == 2 and all("tpot" in line and "speedup" in line for line in lines)
+    assert len(lines) == 3 and all("tpot" in line and "speedup" in line for line in lines[:2])
+
+
+def test_noise_floor_is_half_the_repeat_gap_and_is_printed_beside_the_held_out_error():
+    cells = synthetic_cells(profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=2, noise=0.05, seed=2)
+    spec = cells[cells["is_speculative"].astype(bool)]
+    cell = spec.groupby(["server", "batch_size"])["output_throughput_tps"]
+    expected = float((100 * (cell.max() - cell.min()) / (cell.max() + cell.min())).mean())
+    assert noise_floor(cells) == pytest.approx(expected) and 0.5 < expected < 10  # 5% noise per cell
+    lines = holdout_lines(holdout_report(cells))
+    assert lines[-1].startswith(f"noise floor: {expected:.1f}%")
+    once = synthetic_cells(profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.05, seed=2)
+    assert noise_floor(once) is None
+    assert holdout_lines(holdout_report(once))[-1].startswith("noise floor: not known")
+    # a tuning.json written before the noise floor was reported prints the held-out lines only
+    old = {k: v for k, v in holdout_report(cells).items() if not k.startswith("noise_floor")}
+    assert not any(line.startswith("noise floor") for line in holdout_lines(old))
 
 
 def test_held_out_error_is_reported_as_not_computed_with_one_step_count():

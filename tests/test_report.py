@@ -148,6 +148,8 @@ def test_report_after_tune_includes_the_tuning_results(run, tuned, tmp_path, spe
     assert "The model on cells it did not see" in section and "one step count (g) left out" in section
     step = next(r for r in tuning["holdout"]["summary"] if r["holdout"] == "step_count" and r["method"] == "all")
     assert f"| {step['cells']} |" in section
+    # and the noise floor beside it (repeats = 2): the error a model cannot go below
+    assert f"Noise floor: {tuning['holdout']['noise_floor_pct']:.1f}%." in section
 
 
 def test_report_shows_deploy_commands_verdict_and_exhaustive_from_tuning_json(tuned, tmp_path):

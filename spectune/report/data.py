@@ -55,6 +55,7 @@ class Tuning:
     notes: list[str]
     # held-out prediction error (spectune.holdout.holdout_summary): holdout, method, cells, <metric>_mean/max_abs_pct
     holdout: pd.DataFrame = field(default_factory=pd.DataFrame)
+    holdout_noise_pct: float = math.nan  # spectune.holdout.noise_floor (NaN: not known): what a cell disagrees with itself by
     # the measured verdict per batch size: batch_size, then the tuned config's gain (%) over each compared config
     verdict_by_batch_size: pd.DataFrame = field(default_factory=pd.DataFrame)
     refined: str | None = None  # how the tuned config was refined from measurements (spectune.refine), if it was
@@ -277,6 +278,7 @@ def read_tuning(results: Path) -> Tuning | None:
         files=[str(f) for f in raw.get("files") or []],
         notes=[str(n) for n in raw.get("notes") or []],
         holdout=pd.DataFrame([r for r in (raw.get("holdout") or {}).get("summary") or [] if isinstance(r, dict)]),
+        holdout_noise_pct=_float((raw.get("holdout") or {}).get("noise_floor_pct")),
         verdict_by_batch_size=_by_batch_size(raw.get("verdict")),
         refined=_refined_text(raw.get("refined")),
     )

@@ -194,6 +194,15 @@ def holdout_table(data: ReportData) -> Table:
                   [False, False, True, True, True, True], [True, False, False, False, False, False])
 
 
+def holdout_noise(data: ReportData) -> str:
+    """One sentence on the held-out table's noise floor (spectune.holdout.noise_floor); empty where not known."""
+    t = data.tuning
+    if t is None or math.isnan(t.holdout_noise_pct):
+        return ""
+    return (f"Noise floor: {t.holdout_noise_pct:.1f}%. Each of two repeats of a cell lies this far from their mean "
+            f"output tokens/s, on average. A held-out error near it is the measurement's, not the model's.")
+
+
 def method_tables(data: ReportData) -> list[tuple[str, str, Table]]:
     """Per method: a heading, a one-line finding, and its table."""
     out = []
@@ -330,6 +339,7 @@ def context(data: ReportData, plots: list[Plot]) -> dict:
         "memory": memory_table(data),
         "tuning_table": tuning_table(data),
         "holdout": holdout_table(data),
+        "holdout_noise": holdout_noise(data),
         "verdict_table": verdict_table(data),
         "methods": method_tables(data),
         "flagged": flagged_table(data),
