@@ -29,6 +29,8 @@ from spectune.costmodel import CostFit, fit_sweep, ms_per_token, server_factors,
 from spectune.errors import SpectuneError
 
 METRICS = ("tpot", "throughput", "speedup")
+NOISE_FLOOR_MEANING = ("each of two repeats of a cell lies this far from their mean tok/s, on average; a held-out error "
+                       "near it is the measurement's, not the model's")
 HOLDOUTS = ("step_count", "batch_size")
 
 
@@ -82,9 +84,7 @@ def holdout_report(cells: pd.DataFrame) -> dict[str, object]:
         "summary": holdout_summary(predictions).to_dict("records"),
         "cells": predictions.to_dict("records"),
         "noise_floor_pct": noise_floor(cells),
-        "noise_floor_meaning": "half the difference between two repeats of a speculative cell's output tokens/s, as % of "
-                               "their mean (mean over cells measured twice or more): a held-out error near it is the "
-                               "measurement's, not the model's",
+        "noise_floor_meaning": NOISE_FLOOR_MEANING,
     }
 
 
@@ -112,8 +112,7 @@ def holdout_lines(report: dict[str, object]) -> list[str]:
     if "noise_floor_pct" not in report:  # a tuning.json written before the noise floor was reported
         return lines
     if (floor := report["noise_floor_pct"]) is not None:
-        lines.append(f"noise floor: {floor:.1f}% (each of two repeats of a cell lies this far from their mean tok/s, on "
-                     f"average; a held-out error near it is the measurement's, not the model's)")
+        lines.append(f"noise floor: {floor:.1f}% ({NOISE_FLOOR_MEANING})")
     else:
         lines.append("noise floor: not known (no cell measured twice; repeats = 2 in the plan measures it)")
     return lines

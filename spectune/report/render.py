@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from spectune.holdout import NOISE_FLOOR_MEANING
 from spectune.report.data import ReportData
 from spectune.report.plots import Plot
 
@@ -199,8 +200,7 @@ def holdout_noise(data: ReportData) -> str:
     t = data.tuning
     if t is None or math.isnan(t.holdout_noise_pct):
         return ""
-    return (f"Noise floor: {t.holdout_noise_pct:.1f}%. Each of two repeats of a cell lies this far from their mean "
-            f"output tokens/s, on average. A held-out error near it is the measurement's, not the model's.")
+    return f"Noise floor: {t.holdout_noise_pct:.1f}%. {NOISE_FLOOR_MEANING[0].upper()}{NOISE_FLOOR_MEANING[1:]}."
 
 
 def method_tables(data: ReportData) -> list[tuple[str, str, Table]]:
