@@ -22,7 +22,7 @@ diagnostic only (the speed is known after the fact); and the accepted
 drafts per request-round at each step count, replay vs engine, with how many drafts the engine's proposer offered.
 Passes spectune confirm would not count (other work on the machine, or the engine more than 15% slower than in the
 same server's median pass) are left out and listed. Prints predicted vs measured mean TTFT, TPOT and e2e per server
-and the relative errors; writes DIR/<traffic>.json.
+and the relative errors, and each measured mean's standard error over the counted passes; writes DIR/<traffic>.json.
 """
 
 from __future__ import annotations
@@ -102,6 +102,17 @@ def at_own_speed(fit_run, runs: list, method: str, draws: int, speed_of: str | N
             row |= {f"{f}_measured": m, f"{f}_predicted": float(np.mean([p[f] for p in predicted])),
                     f"{f}_error": float(np.mean([p[f] for p in predicted])) / m - 1.0}
         rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def standard_errors(runs: list) -> pd.DataFrame:
+    """Per server: the standard error of its measured mean TTFT, TPOT and e2e over the passes, as a % of the mean."""
+    cells = pd.concat([r.cells for r in runs])
+    cells = cells[cells["status"] == "ok"]
+    rows = []
+    for server, mine in cells.groupby("server"):
+        rows.append({"server": server} | {f"{f}_se_pct": 100 * float(mine[c].std(ddof=1) / np.sqrt(len(mine)) / mine[c].mean())
+                                          for f, c in FIGURES.items()})
     return pd.DataFrame(rows)
 
 
@@ -205,6 +216,9 @@ def main() -> None:
         print(table[cols].to_string(index=False, float_format="%.3f"))
         if "speeds" in table:
             print("speeds (measured step wall / the replay's, per pass: decode (prefill)): " + "; ".join(f"{r.server} {r.speeds}" for r in table.itertuples()))
+    print(f"\nstandard error of each measured mean over the {len(runs)} counted passes, % of the mean (a replay error "
+          f"within about twice it cannot be told from the measurement's):")
+    print(standard_errors(runs).to_string(index=False, float_format="%.1f") if len(runs) > 1 else "  not known: one counted pass")
     foreign = pd.concat([r.cells for r in runs])["foreign_cpu_cores"]
     print(f"\nother work on the machine during the counted cells: mean {foreign.mean():.2f} cores, max {foreign.max():.2f}")
     record = {k: t.to_dict("records") for k, t in tables.items()} | {"passes": len(passes), "not_counted": disturbed}
