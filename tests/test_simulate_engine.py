@@ -38,6 +38,7 @@ max_tokens = {max_tokens}
 prompts_per_slot = 1
 min_prompts = {n}
 warmup_per_slot = 1
+interleave = true  # both servers up at once, cells side by side: host drift falls on both alike
 
 [[servers]]
 name = "target"
@@ -60,6 +61,7 @@ max_tokens = {max_tokens}
 prompts_per_slot = 1
 min_prompts = {n}
 warmup_per_slot = 0
+interleave = true
 
 [[servers]]
 name = "target"
