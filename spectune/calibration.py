@@ -118,10 +118,14 @@ def fit_prefill(steps: pd.DataFrame) -> tuple[float, float, float, float]:
     columns = [0, 1, 2, 3]  # fixed, per_token, per_token2, per_intake
     fit = lambda: dict(zip(columns, np.linalg.lstsq(X[:, columns], y, rcond=None)[0]))
     coef = fit()
-    for term in (2, 0):  # a negative square term, then a negative fixed cost, is noise: fit without it
-        if coef.get(term, 0.0) < 0:
-            columns.remove(term)
-            coef = fit()
+    # a negative square term, or a square term that bends the line below 0 per token, then a negative fixed cost,
+    # is noise: fit without it
+    if coef[2] < 0 or coef[1] < 0:
+        columns.remove(2)
+        coef = fit()
+    if coef[0] < 0:
+        columns.remove(0)
+        coef = fit()
     post = (prefill["wall_ms"] - prefill["compute_ms"]).dropna()
     fixed = coef.get(0, 0.0) + (post.median() if not post.empty else 0.0)
     return float(fixed), float(coef[1]), float(coef.get(2, 0.0)), max(0.0, float(coef[3]))
