@@ -105,17 +105,6 @@ def at_own_speed(fit_run, runs: list, method: str, draws: int, speed_of: str | N
     return pd.DataFrame(rows)
 
 
-def standard_errors(runs: list) -> pd.DataFrame:
-    """Per server: the standard error of its measured mean TTFT, TPOT and e2e over the passes, as a % of the mean."""
-    cells = pd.concat([r.cells for r in runs])
-    cells = cells[cells["status"] == "ok"]
-    rows = []
-    for server, mine in cells.groupby("server"):
-        rows.append({"server": server} | {f"{f}_se_pct": 100 * float(mine[c].std(ddof=1) / np.sqrt(len(mine)) / mine[c].mean())
-                                          for f, c in FIGURES.items()})
-    return pd.DataFrame(rows)
-
-
 def accepted_per_round(fit_run, runs: list, method: str, draws: int = 3) -> pd.DataFrame:
     """Per server and step count g of a round: mean accepted drafts per request-round in the replay (at the fit's
     speed) and in the engine (its round logs, over the passes), and in the engine's drafting rounds how many drafts
@@ -218,7 +207,10 @@ def main() -> None:
             print("speeds (measured step wall / the replay's, per pass: decode (prefill)): " + "; ".join(f"{r.server} {r.speeds}" for r in table.itertuples()))
     print(f"\nstandard error of each measured mean over the {len(runs)} counted passes, % of the mean (a replay error "
           f"within about twice it cannot be told from the measurement's):")
-    print(standard_errors(runs).to_string(index=False, float_format="%.1f") if len(runs) > 1 else "  not known: one counted pass")
+    after = tables["after"]  # replay_vs_measured keeps each measured mean's SD over the passes
+    se = after[["server"]].assign(**{f"{f}_se_pct": 100 * after[f"{f}_measured_sd"] / np.sqrt(after["passes"]) / after[f"{f}_measured"]
+                                     for f in FIGURES})
+    print(se.to_string(index=False, float_format="%.1f") if len(runs) > 1 else "  not known: one counted pass")
     foreign = pd.concat([r.cells for r in runs])["foreign_cpu_cores"]
     print(f"\nother work on the machine during the counted cells: mean {foreign.mean():.2f} cores, max {foreign.max():.2f}")
     record = {k: t.to_dict("records") for k, t in tables.items()} | {"passes": len(passes), "not_counted": disturbed}

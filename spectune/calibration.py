@@ -107,8 +107,8 @@ def fit_prefill(steps: pd.DataFrame) -> tuple[float, float, float, float]:
     tokens): least squares on the compute of every prefill step (exact even when the engine idled before it), plus
     the median hand-out time after a prefill (wall - compute). A batch of 64 prompts costs more per token than one
     (measured: 0.29 ms per token at 5,000 padded tokens, 0.19 at 300), so a line through both puts the prefills of
-    a few requests 10-20% off; the square term is dropped where it comes out negative. Returns (fixed, per_token,
-    per_token2, per_intake)."""
+    a few requests 10-20% off; the square term is dropped where it, or the per-token term with it, comes out
+    negative. Returns (fixed, per_token, per_token2, per_intake)."""
     prefill = steps[steps["kind"] == "prefill"]
     if len(prefill) < 3:
         raise SpectuneError("round logs: fewer than 3 prefill steps logged")
