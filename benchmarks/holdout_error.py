@@ -1,6 +1,8 @@
 """Held-out prediction error of the cost model on a results directory, before and after the model terms of issue 12.
 
-    python benchmarks/holdout_error.py RESULTS [RESULTS ...]
+    python benchmarks/holdout_error.py RESULTS [RESULTS ...] [--repeats K]
+
+--repeats K uses each cell's first K repeats only: on a run measured with more, the same cells averaged over fewer.
 
 Two results directories of the same plan in a row also give the relaunch noise: how far a cell measured in one run is
 from the same cell in the other, every server launched again (the floor for cells predicted from other launches).
@@ -16,8 +18,8 @@ Variants, each a full spectune.holdout run on the same cells:
                (CostFit.by_batch_size)
   +server    : and a held-out cell's server scaled by how it ran at the batch sizes the fit saw
                (costmodel.server_factors: leave one batch size out only; spectune's model now)
-Also the noise floor: the mean absolute % difference of a cell's output tokens/s between two repeats, halved (the
-error of predicting one repeat's value from the other's, as a share of their mean).
+Also the noise floor (spectune.holdout.noise_floor): the expected absolute % error of a cell's mean output tokens/s,
+from the spread of its repeats (with two repeats, half their difference).
 """
 
 from __future__ import annotations
@@ -85,13 +87,22 @@ def relaunch_noise(a: pd.DataFrame, b: pd.DataFrame) -> tuple[float, float]:
 
 
 def main() -> None:
+    import argparse
+
     import spectune.holdout as holdout
     from spectune.holdout import noise_floor
 
-    for path in map(Path, sys.argv[1:]):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", type=Path)
+    parser.add_argument("--repeats", type=int, default=None, help="use each cell's first K repeats only")
+    args = parser.parse_args()
+    for path in args.results:
         cells = load_run(path).cells
+        if args.repeats is not None:
+            cells = cells[cells["repeat"] < args.repeats]
+            print(f"\n{path}: the first {args.repeats} repeats of each cell")
         floor = noise_floor(cells)
-        print(f"\n{path}: noise floor (half the repeat-to-repeat difference of tok/s) "
+        print(f"\n{path}: noise floor (expected error of a cell's mean tok/s over its repeats) "
               + (f"{floor:.1f}%" if floor is not None else "not known (no cell measured twice)"))
         print("| model | held out | method | cells | TPOT mean / max | tok/s mean / max | speedup mean / max |")
         print("|---|---|---|---|---|---|---|")
@@ -111,8 +122,8 @@ def main() -> None:
                 print(f"| {name} | {r.holdout} | {r.method} | {r.cells} | {r.tpot_mean_abs_pct:.1f} / {r.tpot_max_abs_pct:.1f} | "
                       f"{r.throughput_mean_abs_pct:.1f} / {r.throughput_max_abs_pct:.1f} | {r.speedup_mean_abs_pct:.1f} / {r.speedup_max_abs_pct:.1f} |")
 
-    runs = [load_run(path) for path in map(Path, sys.argv[1:])]
-    for (pa, a), (pb, b) in zip(zip(sys.argv[1:], runs), zip(sys.argv[2:], runs[1:])):
+    runs = [load_run(path) for path in args.results]
+    for (pa, a), (pb, b) in zip(zip(args.results, runs), zip(args.results[1:], runs[1:])):
         if a.manifest.get("plan", {}).get("name") == b.manifest.get("plan", {}).get("name"):
             mean, worst = relaunch_noise(a.cells, b.cells)
             print(f"\n{pa} vs {pb} (same plan, servers launched again): half the difference of a cell's tok/s "

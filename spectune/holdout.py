@@ -15,12 +15,15 @@ held out):
 - output throughput: 1000 x batch size / predicted ms per token;
 - speedup over target-only: target-only's measured ms per token / predicted ms per token.
 
-Beside it the noise floor: half the difference between two repeats of one speculative cell's output tokens/s, as a
-share of their mean (mean over cells). A held-out error near it is the measurement's, not the model's: no model
-predicts a cell closer than the cell agrees with itself.
+Beside it the noise floor: the expected absolute error of a speculative cell's measured mean output tokens/s, from the
+spread of its repeats, as a share of the mean (mean over cells; with two repeats exactly half their difference, and
+smaller with more repeats as the mean settles). A held-out error near it is the measurement's, not the model's: no
+model predicts a cell closer than its measured mean is known.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pandas as pd
@@ -29,7 +32,8 @@ from spectune.costmodel import CostFit, fit_sweep, ms_per_token, server_factors,
 from spectune.errors import SpectuneError
 
 METRICS = ("tpot", "throughput", "speedup")
-NOISE_FLOOR_MEANING = ("each of two repeats of a cell lies this far from their mean tok/s, on average; a held-out error "
+NOISE_FLOOR_MEANING = ("how far a cell's measured mean tok/s is expected to lie from its true value, from the spread of its "
+                       "repeats; with two repeats it is half their difference, and more repeats lower it; a held-out error "
                        "near it is the measurement's, not the model's")
 HOLDOUTS = ("step_count", "batch_size")
 
@@ -89,13 +93,18 @@ def holdout_report(cells: pd.DataFrame) -> dict[str, object]:
 
 
 def noise_floor(cells: pd.DataFrame) -> float | None:
-    """Mean over speculative (server, batch size) cells measured twice or more without failures of (max - min) /
-    (max + min) of their output tokens/s, in %; None with no repeats."""
+    """Mean over speculative (server, batch size) cells measured twice or more without failures of the expected absolute
+    error of their mean output tokens/s, in % of it: sqrt(2 / pi) x s / (c4(n) x sqrt(n)) for n repeats of sample SD s
+    (c4 makes s unbiased for normal noise; with n = 2 this is exactly (max - min) / 2). None with no repeats."""
     usable, _ = split_failed(cells)  # the cells the held-out error is computed on
     ok = usable[usable["is_speculative"].astype(bool)].dropna(subset=["output_throughput_tps"])
-    pairs = ok.groupby(["server", "batch_size"])["output_throughput_tps"].agg(["min", "max", "size"])
-    pairs = pairs[pairs["size"] >= 2]
-    return float((100.0 * (pairs["max"] - pairs["min"]) / (pairs["max"] + pairs["min"])).mean()) if len(pairs) else None
+    groups = ok.groupby(["server", "batch_size"])["output_throughput_tps"].agg(["mean", "std", "size"])
+    groups = groups[groups["size"] >= 2]
+    if groups.empty:
+        return None
+    n = groups["size"].astype(float)
+    c4 = n.map(lambda k: math.sqrt(2.0 / (k - 1.0)) * math.exp(math.lgamma(k / 2.0) - math.lgamma((k - 1.0) / 2.0)))
+    return float((100.0 * math.sqrt(2.0 / math.pi) * groups["std"] / (c4 * np.sqrt(n)) / groups["mean"]).mean())
 
 
 def holdout_lines(report: dict[str, object]) -> list[str]:

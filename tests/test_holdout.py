@@ -36,7 +36,7 @@ def test_noise_shows_in_the_held_out_error_and_the_summary_has_every_metric():
     assert len(lines) == 3 and all("tpot" in line and "speedup" in line for line in lines[:2])
 
 
-def test_noise_floor_is_half_the_repeat_gap_and_is_printed_beside_the_held_out_error():
+def test_noise_floor_is_the_error_of_a_cells_mean_half_the_gap_of_two_repeats_and_is_printed_beside_the_held_out_error():
     cells = synthetic_cells(profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=2, noise=0.05, seed=2)
     spec = cells[cells["is_speculative"].astype(bool)]
     cell = spec.groupby(["server", "batch_size"])["output_throughput_tps"]
@@ -47,6 +47,9 @@ def test_noise_floor_is_half_the_repeat_gap_and_is_printed_beside_the_held_out_e
     once = synthetic_cells(profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.05, seed=2)
     assert noise_floor(once) is None
     assert holdout_lines(holdout_report(once))[-1].startswith("noise floor: not known")
+    # more repeats of the same 5% noise: the mean is known better, and the floor is the expected error of a 4-repeat mean
+    four = noise_floor(synthetic_cells(profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=4, noise=0.05, seed=2))
+    assert four < expected and four == pytest.approx(100 * np.sqrt(2 / np.pi) * 0.05 / 2, rel=0.2)
     # a tuning.json written before the noise floor was reported prints the held-out lines only
     old = {k: v for k, v in holdout_report(cells).items() if not k.startswith("noise_floor")}
     assert not any(line.startswith("noise floor") for line in holdout_lines(old))
