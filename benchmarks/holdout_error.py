@@ -1,8 +1,9 @@
 """Held-out prediction error of the cost model on a results directory, before and after the model terms of issue 12.
 
-    python benchmarks/holdout_error.py RESULTS [RESULTS ...] [--repeats K]
+    python benchmarks/holdout_error.py RESULTS [RESULTS ...] [--repeats 1,2,3]
 
---repeats K uses each cell's first K repeats only: on a run measured with more, the same cells averaged over fewer.
+--repeats uses only those repeats of each cell (numbered from 0): on a run measured with more, the same cells averaged
+over fewer, or without a repeat that other work disturbed.
 
 Two results directories of the same plan in a row also give the relaunch noise: how far a cell measured in one run is
 from the same cell in the other, every server launched again (the floor for cells predicted from other launches).
@@ -94,13 +95,13 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path)
-    parser.add_argument("--repeats", type=int, default=None, help="use each cell's first K repeats only")
+    parser.add_argument("--repeats", default=None, help="use only these repeats of each cell, e.g. 1,2,3 (numbered from 0)")
     args = parser.parse_args()
     for path in args.results:
         cells = load_run(path).cells
         if args.repeats is not None:
-            cells = cells[cells["repeat"] < args.repeats]
-            print(f"\n{path}: the first {args.repeats} repeats of each cell")
+            cells = cells[cells["repeat"].isin([int(r) for r in args.repeats.split(",")])]
+            print(f"\n{path}: repeats {args.repeats} of each cell")
         floor = noise_floor(cells)
         print(f"\n{path}: noise floor (expected error of a cell's mean tok/s over its repeats) "
               + (f"{floor:.1f}%" if floor is not None else "not known (no cell measured twice)"))
