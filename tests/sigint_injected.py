@@ -2,9 +2,11 @@
 timed to hit (the tests that use it, in test_sweep_sigint.py, say so in their names); everything else is the
 real CLI.
 
-    python tests/sigint_injected.py write|finalizer SWEEP_ARGS...
+    python tests/sigint_injected.py write|sampler|finalizer SWEEP_ARGS...
 
 write      in the middle of writing the first cell file: its data on disk, before the rename that commits it.
+sampler    inside threading.Thread.start of the memory sampler of the second cell, before the thread runs (a
+           Ctrl-C there used to leave stop() joining a thread never started: RuntimeError instead of exit 130).
 finalizer  inside a finalizer the sweep's main thread runs (asyncio's _SelectorTransport.__del__, which sampling
            the main thread shows it does, aiohttp's ClientResponse.__del__ under uvloop, or the finalizer of
            spectune.rawhttp's connections for plain http://), once a cell is finished: Python prints a KeyboardInterrupt raised there
@@ -39,6 +41,19 @@ def _inject_in_write() -> None:
     os.replace = replace
 
 
+def _inject_in_sampler_start(out: Path) -> None:
+    import threading
+
+    real_start = threading.Thread.start
+
+    def start(self):
+        if self.name == "spectune-memory" and any((out / "cells").glob("*.json")):
+            _once("MemorySampler thread start")
+        return real_start(self)
+
+    threading.Thread.start = start
+
+
 def _inject_in_finalizer(out: Path) -> None:
     # asyncio's transport finalizer on asyncio's loop; under uvloop (the measurement loop where it is installed)
     # transports are uvloop's, and aiohttp's response finalizer, run after every request, is the one hit.
@@ -67,6 +82,8 @@ if __name__ == "__main__":
     point, args = sys.argv[1], sys.argv[2:]
     if point == "write":
         _inject_in_write()
+    elif point == "sampler":
+        _inject_in_sampler_start(Path(args[args.index("--out") + 1]))
     else:
         _inject_in_finalizer(Path(args[args.index("--out") + 1]))
     from spectune.cli import main

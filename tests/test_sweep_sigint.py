@@ -152,6 +152,18 @@ name = "target"
 """
 
 
+def test_sigint_injected_while_the_memory_sampler_starts_marks_the_cell_partial(tmp_path):
+    # CI on a busy host: a Ctrl-C inside the sampler thread's start() ended in RuntimeError (joining a thread never
+    # started) and exit 1, not 130 with the resume command. The sampler reads a launched server's process tree.
+    out = tmp_path / "run"
+    plan = LAUNCHED_PLAN.replace("batch_sizes = [1]", "batch_sizes = [1, 2]")
+    output = run_injected("sampler", write_plan(tmp_path, plan), out)
+    assert "RuntimeError" not in output
+    cells = interrupted_run(output, out)
+    assert {k: c["status"] for k, c in cells.items()} == {"target__bs1__r0": "ok", "target__bs2__r0": "partial"}
+    assert not server_processes(out)
+
+
 def test_sigint_while_the_engine_starts_stops_it_and_resumes(tmp_path):
     out = tmp_path / "run"
     proc = start(write_plan(tmp_path, LAUNCHED_PLAN), out)

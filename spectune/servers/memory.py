@@ -47,8 +47,9 @@ class MemorySampler:
         self._stop.clear()
         if self._read is not None:
             self._sample()  # at least one sample, however short the window
-            self._thread = threading.Thread(target=self._run, name="spectune-memory", daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self._run, name="spectune-memory", daemon=True)
+            thread.start()
+            self._thread = thread  # only once started: a Ctrl-C inside start() must not leave stop() a thread to join
 
     def stop(self) -> MemoryStats:
         self._stop.set()

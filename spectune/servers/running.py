@@ -65,8 +65,9 @@ class GaugeSampler:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="spectune-gauge", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, name="spectune-gauge", daemon=True)
+        thread.start()
+        self._thread = thread  # only once started: a Ctrl-C inside start() must not leave stop() a thread to join
 
     def stop(self) -> float | None:
         self._stop.set()
