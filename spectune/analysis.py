@@ -323,10 +323,11 @@ def _betai(a: float, b: float, x: float) -> float:
     return front * f / a
 
 
-def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05) -> pd.DataFrame:
+def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, baseline: str | None = None) -> pd.DataFrame:
     """The measured answer per batch size: the static server with the highest output-throughput speedup over
     target-only (speedup_table's geometric mean and 95% CI), or target-only itself where no speculative server
-    measured faster. Adaptive-config servers are left out (their step count moves during a cell).
+    measured faster. Adaptive-config servers are left out (their step count moves during a cell). `baseline`: the
+    target-only server to compare with when there are several (spectune.store.first_target), if it has usable cells.
 
     Columns: batch_size, server, method ("target-only" for none), steps (0 for target-only), speedup,
     speedup_ci_low, speedup_ci_high, tpot_speedup, acceptance_rate, acceptance_length, and is_clear: the
@@ -339,10 +340,13 @@ def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05) ->
                "acceptance_rate", "acceptance_length", "is_clear"]
     if ok.empty or ok["is_speculative"].astype(bool).all():
         return pd.DataFrame(columns=columns)
-    speedups = speedup_table(ok) if ok["is_speculative"].astype(bool).any() else pd.DataFrame(columns=["batch_size", "speedup"])
+    if baseline not in set(ok.loc[~ok["is_speculative"].astype(bool), "server"]):
+        baseline = None
+    speedups = (speedup_table(ok, baseline=baseline) if ok["is_speculative"].astype(bool).any()
+                else pd.DataFrame(columns=["batch_size", "speedup"]))
     means = ok.groupby("server")[["method"]].first()
     acc = ok.groupby(["server", "batch_size"])[[c for c in ("acceptance_rate", "acceptance_length") if c in ok]].mean()
-    target = ok.loc[~ok["is_speculative"].astype(bool), "server"].iloc[0]
+    target = baseline or ok.loc[~ok["is_speculative"].astype(bool), "server"].iloc[0]
     rows = []
     for bs in sorted(ok.loc[ok["server"] == target, "batch_size"].unique()):
         at = speedups[speedups["batch_size"] == bs].dropna(subset=["speedup"])

@@ -135,7 +135,14 @@ class RunStore:
         if not ok.empty and (~ok["is_speculative"]).any() and ok["is_speculative"].any():
             from spectune.analysis import speedup_table
 
-            _write_parquet(self.root / "summary.parquet", speedup_table(ok))
+            _write_parquet(self.root / "summary.parquet", speedup_table(ok, baseline=first_target(self.manifest, ok)))
+
+
+def first_target(manifest: dict, cells: "pd.DataFrame") -> str | None:
+    """The plan's first target-only server with cells: the speedups' baseline when a plan lists several (a plan
+    puts its baseline first); None when the manifest names none."""
+    measured = set(cells.loc[~cells["is_speculative"].astype(bool), "server"])
+    return next((s["name"] for s in manifest.get("plan", {}).get("servers", []) if not s.get("method") and s.get("name") in measured), None)
 
 
 def _write_parquet(path: Path, frame: "pd.DataFrame") -> None:

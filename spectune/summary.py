@@ -24,12 +24,13 @@ class Summary:
 
 def build_summary(results: Path, report_files: list[Path] = ()) -> Summary:
     from spectune.analysis import recommendation_table
-    from spectune.store import load_run
+    from spectune.store import first_target, load_run
 
     run = load_run(results)
     rows = []
     if not run.cells.empty:
-        table = recommendation_table(run.cells, run.manifest.get("plan", {}).get("max_failure_rate", 0.05))
+        table = recommendation_table(run.cells, run.manifest.get("plan", {}).get("max_failure_rate", 0.05),
+                                     first_target(run.manifest, run.cells))
         rows = [_row(r) for r in table.itertuples(index=False)]
     return Summary(rows=rows, deploy=_deploy(results / "tuned" / "tuning.json"), files=_files(Path(results), report_files))
 

@@ -180,6 +180,30 @@ def test_speedup_table_needs_one_baseline():
         speedup_table(cells.drop(columns=["repeat"]))
 
 
+def test_a_run_with_two_target_only_servers_finalizes_against_the_plans_first(tmp_path):
+    # A sweep whose plan lists two target-only servers used to measure every cell and then fail in finalize
+    # ("name one as baseline"); the plan's first is its baseline.
+    from spectune.store import RunStore, load_run
+
+    from spectune.summary import build_summary
+
+    cells = cells_frame().assign(method=lambda f: f["server"].str.split("-").str[0].where(f["is_speculative"]),
+                                 failure_rate=0.0, acceptance_rate=0.6, acceptance_length=2.5, adaptive_config=None)
+    slow = cells[cells["server"] == "target"].assign(server="target-b", output_throughput_tps=lambda f: f["output_throughput_tps"] / 2)
+    servers = [{"name": "target-b"}, {"name": "target"}, {"name": "draft-g4", "method": "draft_model"}, {"name": "ngram-g3", "method": "ngram"}]
+    store = RunStore.create(tmp_path / "run", {"name": "run", "plan": {"servers": servers}})
+    for row in pd.concat([cells, slow]).to_dict("records"):
+        store.write_cell(row, None)
+    store.finalize()
+    summary = pd.read_parquet(tmp_path / "run" / "summary.parquet").set_index(["server", "batch_size"])
+    assert summary.loc[("ngram-g3", 1), "speedup"] == pytest.approx(120.0 / 50.0)  # over target-b, listed first
+    assert len(load_run(tmp_path / "run").cells) == len(cells) + len(slow)
+    # the closing table of `spectune sweep` compares with the same baseline: at batch 8 draft-g4 is 0.9x target but
+    # 1.8x target-b
+    rows = {r[0]: r for r in build_summary(tmp_path / "run").rows}
+    assert rows["8"][1] == "draft" and rows["8"][3] == f"{2 * np.exp(np.log([0.9, 1.0, 0.8]).mean()):.2f}x"
+
+
 def test_recommendation_picks_the_fastest_server_per_batch_size_and_target_only_where_none_pays():
     cells = cells_frame().assign(method=lambda f: f["server"].str.split("-").str[0].where(f["is_speculative"]),
                                  failure_rate=0.0, acceptance_rate=0.6, acceptance_length=2.5, adaptive_config=None)

@@ -202,6 +202,24 @@ def test_report_survives_missing_data(run, tmp_path):
     assert "Method tuned: **unknown**" in md
 
 
+def test_report_with_two_target_only_servers_compares_with_the_plans_first(run, tmp_path):
+    """A second target-only server added by hand to a copy of a real run (its cells: target's, half as fast), listed
+    first in the plan: speedups are over it, and the report says so."""
+    two = tmp_path / "two"
+    shutil.copytree(run, two)
+    for p in two.glob("cells/target__*.json"):
+        row = json.loads(p.read_text())
+        row |= {"server": "target-b", "cell": row["cell"].replace("target", "target-b", 1),
+                "output_throughput_tps": row["output_throughput_tps"] / 2}
+        (p.parent / p.name.replace("target", "target-b", 1)).write_text(json.dumps(row))
+    manifest = json.loads((two / "run.json").read_text())
+    manifest["plan"]["servers"].insert(0, {"name": "target-b", "engine": "embedded"})
+    (two / "run.json").write_text(json.dumps(manifest))
+    _, md = (p.read_text() for p in write_report(two, tmp_path / "r"))
+    assert "speedups are over target-b, the plan's first target-only server" in md and "(target)" in md
+    assert "speedups not computed" not in md
+
+
 def test_markdown_escaping_and_code():
     assert md_escape("<script>a|b</script> & *x* [l](u) `c`") == r"\<script\>a\|b\</script\> \& \*x\* \[l\](u) \`c\`"
     assert md_escape("two\nlines") == "two lines"

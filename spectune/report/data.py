@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from spectune.errors import SpectuneError
-from spectune.store import load_run
+from spectune.store import first_target, load_run
 
 POS_COLUMN = re.compile(r"^accept_pos_(\d+)$")
 
@@ -110,7 +110,12 @@ def collect(results: str | Path) -> ReportData:
         cells = cells.assign(failure_rate=0.0)
     usable = _no_acceptance_without_drafts(cells[(cells["status"] == "ok") & (cells["failure_rate"].fillna(0.0) <= limit)])
     flagged = _flagged(cells[~cells.index.isin(usable.index)], limit)
-    recommendation, speedups = _speedups(usable, limit, notes)
+    baseline = first_target(run.manifest, usable)
+    targets = sorted(set(usable.loc[~usable["is_speculative"].astype(bool), "server"]) - {baseline})
+    if baseline is not None and targets:
+        notes.append(f"speedups are over {baseline}, the plan's first target-only server; the other target-only "
+                     f"server(s) ({', '.join(targets)}) are listed as measured, not compared")
+    recommendation, speedups = _speedups(usable, limit, notes, baseline)
     if "client_saturated" in cells and cells["client_saturated"].fillna(False).astype(bool).any():
         hit = cells[cells["client_saturated"].fillna(False).astype(bool)]
         where = ", ".join(f"{r.server} batch {r.batch_size} r{r.repeat}" for r in hit.itertuples())
@@ -144,7 +149,7 @@ def _no_acceptance_without_drafts(cells: pd.DataFrame) -> pd.DataFrame:
     return cells
 
 
-def _speedups(usable: pd.DataFrame, limit: float, notes: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+def _speedups(usable: pd.DataFrame, limit: float, notes: list[str], baseline: str | None) -> tuple[pd.DataFrame, pd.DataFrame]:
     from spectune.analysis import recommendation_table, speedup_table
 
     has_target = not usable.empty and (~usable["is_speculative"].astype(bool)).any()
@@ -153,9 +158,9 @@ def _speedups(usable: pd.DataFrame, limit: float, notes: list[str]) -> tuple[pd.
         notes.append("no target-only cells: speedups need a target-only server measured on the same traffic")
         return pd.DataFrame(), pd.DataFrame()
     try:
-        recommendation = recommendation_table(usable, limit)
-        speedups = speedup_table(usable) if has_spec else pd.DataFrame()
-    except SpectuneError as e:  # e.g. two target-only servers: which one is the baseline is the user's call
+        recommendation = recommendation_table(usable, limit, baseline)
+        speedups = speedup_table(usable, baseline=baseline) if has_spec else pd.DataFrame()
+    except SpectuneError as e:  # e.g. several target-only servers and no plan saying which one is first
         notes.append(f"speedups not computed: {e}")
         return pd.DataFrame(), pd.DataFrame()
     return recommendation, speedups
