@@ -2,7 +2,7 @@
 replay was not fitted on.
 
     python benchmarks/calibration.py RESULTS [--traffic heldout] [--passes 2] [--measure] [--out DIR] [--passes-dir DIR]
-        [--at-own-speed] [--batch-sizes 4]
+        [--at-own-speed] [--batch-sizes 4] [--bracket]
 
 RESULTS is a closed-loop sweep tuned by `spectune tune` on a replay objective (its tuned/ holds the tuned config).
 With --measure, the four servers `spectune confirm` runs (target-only, the best static g, the tuned config, SGLang's
@@ -13,6 +13,11 @@ replayed (or those of --passes-dir, e.g. a `spectune confirm` directory) with th
 - before: the fit of spectune 0.x before calibration (step costs from round-log gaps at the swept batch sizes, a
   decode step charged its policy's g whatever was drafted, acceptance from the streamed chunks);
 - after: spectune.calibration (step clocks, verify width, the engine's own request-rounds with the drafted share).
+With --bracket, target-only also runs between the other servers of each pass (T A T B T C T, the copies named
+target-at-N; into DIR/<traffic>...-bracket), so the host's speed is measured on the baseline right before and after
+every server's cell; --at-own-speed then also replays each server at the mean of those two speeds (a slowdown of a
+minute falls on a server's cell and on the baseline cells beside it alike, where one target-only cell per pass can
+miss it).
 With --at-own-speed, also each server replayed pass by pass on a host as fast as target-only's engine ran in that
 pass (decode and prefill costs each times its cells' measured step wall / the wall the replay charges for those very
 steps, of that kind): the
@@ -40,11 +45,13 @@ from spectune.calibration import FIGURES, closed_loop_of, predicted_walls, repla
 from spectune.costmodel import ServingCost, fit_sweep
 from spectune.simulate import draw_acceptance, simulate_requests
 from spectune.steplog import step_frame
-from spectune.confirm import step_cost, confirm_plan, pass_complete, pass_plan, pass_table, read_tuning
+from spectune.confirm import TARGET, confirm_plan, pass_complete, pass_plan, pass_table, plan_servers, read_tuning, step_cost
+from spectune.plan import plan_from_dict
 from spectune.store import load_run
 from spectune.sweep import run_sweep
 
 
+BRACKET = "target-at-"  # --bracket: the extra target-only servers run between the others in each pass
 PREFILL_TERMS = ("prefill_fixed_ms", "prefill_per_token_ms", "prefill_per_token2_ms", "prefill_intake_ms")
 DECODE_TERMS = ("request_overhead_ms", "gather_ms_per_seq", "intake_interference_ms", "finish_ms", "delivery_ms", "stream_end_ms")
 
@@ -72,9 +79,32 @@ def speeds_of(steps: pd.DataFrame, cost: ServingCost) -> tuple[float, float]:
     return k, k_prefill
 
 
+def is_baseline(server: str) -> bool:
+    return server == TARGET or server.startswith(BRACKET)
+
+
+def bracket_speed(run, server: str, cost: ServingCost) -> tuple[float, float]:
+    """The mean speed (speeds_of) of the target-only cells run just before and just after `server`'s cell in a
+    bracketed pass (its own, for a target-only cell, not counted): the host's speed at that moment from the baseline."""
+    first = {s: float(step_frame(log)["start_s"].min()) for s, log in run.round_logs.items()}
+    mine = first[server]
+    before = [s for s, t in first.items() if is_baseline(s) and s != server and t < mine]
+    after = [s for s, t in first.items() if is_baseline(s) and s != server and t > mine]
+    near = [max(before, key=first.get)] if before else []
+    near += [min(after, key=first.get)] if after else []
+    speeds = [speeds_of(valid_steps(run, s), cost) for s in near]
+    return float(np.mean([k for k, _ in speeds])), float(np.mean([kp for _, kp in speeds]))
+
+
+def valid_steps(run, server: str) -> pd.DataFrame:
+    steps = step_frame(run.round_logs[server])
+    return steps[steps["wall_ms"].notna()]
+
+
 def at_own_speed(fit_run, runs: list, method: str, draws: int, speed_of: str | None = None) -> pd.DataFrame:
     """Per server: the replay of each pass at the speed its engine ran in that cell (speed_of: at the speed the named
-    server's engine ran in that pass instead, e.g. target-only's), beside the measured means."""
+    server's engine ran in that pass instead, e.g. target-only's; "bracket": at the speed of the target-only cells
+    just before and after it, bracket_speed), beside the measured means."""
     fit = fit_sweep(fit_run.cells, method=method)
     horizon = max(fit.max_steps, 7)
     first = runs[0].cells
@@ -82,15 +112,16 @@ def at_own_speed(fit_run, runs: list, method: str, draws: int, speed_of: str | N
     replay = scoring.make_replay(fit_run, fit, horizon, 0, first["workload"].iloc[0], int(first["batch_size"].iloc[0]), True, loop)
     acceptance = [draw_acceptance(replay.traffic, replay.profiles, horizon, k) for k in range(draws)]
     rows = []
-    for server in sorted(first["server"]):
+    for server in sorted(s for s in first["server"] if not s.startswith(BRACKET)):
         policy = server_policy(first[first["server"] == server].iloc[0], method)
         if policy is None:
             continue
         predicted, measured, speeds = [], [], []
         for run in runs:
-            steps = step_frame(run.round_logs[speed_of or server])
-            steps = steps[steps["wall_ms"].notna()]
-            k, k_prefill = speeds_of(steps, replay.cost)
+            if speed_of == "bracket":
+                k, k_prefill = bracket_speed(run, server, replay.cost)
+            else:
+                k, k_prefill = speeds_of(valid_steps(run, speed_of or server), replay.cost)
             sims = [simulate_requests(replay.traffic, policy, scaled(replay.cost, k, k_prefill), a, max_num_seqs=replay.max_num_seqs)
                     for a in acceptance]
             predicted.append({f: np.mean([replayed_figure(x, f, closed=loop is not None) for x in sims]) for f in FIGURES})
@@ -137,7 +168,17 @@ def accepted_per_round(fit_run, runs: list, method: str, draws: int = 3) -> pd.D
     return pd.DataFrame(rows)
 
 
-def measure(results: Path, traffic: str, out: Path, passes: int, batch_sizes: list[int] | None) -> None:
+def bracketed(servers: list[dict], index: int) -> list[dict]:
+    """Pass `index`'s order with target-only before each other server and after the last (T A T B T C T): the host's
+    speed measured on the baseline right around every server's cell."""
+    target = next(s for s in servers if s["name"] == TARGET)
+    order = [target]
+    for j, server in enumerate(plan_servers([s for s in servers if s["name"] != TARGET], index)):
+        order += [server, {**target, "name": f"{BRACKET}{j + 1}"}]
+    return order
+
+
+def measure(results: Path, traffic: str, out: Path, passes: int, batch_sizes: list[int] | None, bracket: bool = False) -> None:
     tuning = read_tuning(results / "tuned")
     servers, raw = confirm_plan(load_run(results).manifest, tuning, results / "tuned", out, None)
     from spectune.workload import load_requests
@@ -148,7 +189,9 @@ def measure(results: Path, traffic: str, out: Path, passes: int, batch_sizes: li
     for i in range(passes):
         pass_dir = out / f"pass-{i + 1:02d}"
         if not pass_complete(pass_dir):
-            outcome = run_sweep(pass_plan(raw, servers, i), pass_dir, resume=(pass_dir / "run.json").exists())
+            plan = (plan_from_dict({**raw, "servers": bracketed(servers, i)}, source=f"bracketed pass {i + 1}") if bracket
+                    else pass_plan(raw, servers, i))
+            outcome = run_sweep(plan, pass_dir, resume=(pass_dir / "run.json").exists())
             if outcome.interrupted or outcome.failed:
                 raise SystemExit(f"{pass_dir}: interrupted or failed; run again to resume")
 
@@ -165,12 +208,15 @@ def main() -> None:
     parser.add_argument("--passes-dir", type=Path, help="replay the passes of this directory (e.g. RESULTS/confirm) instead")
     parser.add_argument("--batch-sizes", help="with --measure: a closed loop at these batch sizes (e.g. 4,16) instead of the "
                         "traffic's arrival times; the whole set each cell")
+    parser.add_argument("--bracket", action="store_true", help="with --measure: target-only also runs between the other "
+                        "servers in each pass (T A T B T C T; into DIR/<traffic>...-bracket), and the replay is also run at "
+                        "the speed of the target-only cells just before and after each server")
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
-    name = Path(args.traffic).stem + (f"-closed-{'-'.join(map(str, batch_sizes))}" if batch_sizes else "")
+    name = Path(args.traffic).stem + (f"-closed-{'-'.join(map(str, batch_sizes))}" if batch_sizes else "") + ("-bracket" if args.bracket else "")
     out = args.passes_dir or (args.out or args.results / "calibration") / name
     if args.measure:
-        measure(args.results, args.traffic, out, args.passes, batch_sizes)
+        measure(args.results, args.traffic, out, args.passes, batch_sizes, args.bracket)
     passes = sorted(p for p in out.glob("pass-*") if pass_complete(p))
     if not passes:
         raise SystemExit(f"{out}: no measured passes; run with --measure")
@@ -189,11 +235,15 @@ def main() -> None:
                          f"machine: --measure --passes {len(passes) + 3}")
     tables = {}
     for label, calibrated in (("before", False), ("after", True)):
-        tables[label] = replay_vs_measured(fit_run, runs, calibrated=calibrated, method=method, draws=args.draws)
+        table = replay_vs_measured(fit_run, runs, calibrated=calibrated, method=method, draws=args.draws)
+        tables[label] = table[~table["server"].str.startswith(BRACKET)].reset_index(drop=True)
     if args.at_own_speed:
         # the host's speed of the moment, from target-only alone: a prediction for the other servers (their own step
         # walls are not used), where each one's own speed is known only after the fact
         tables["after, each pass at the speed target-only ran in it"] = at_own_speed(fit_run, runs, method, args.draws, "target")
+        if any(s.startswith(BRACKET) for s in runs[0].cells["server"]):
+            tables["after, each cell at the speed of the target-only cells just before and after it"] = at_own_speed(
+                fit_run, runs, method, args.draws, "bracket")
         tables["after, each cell at its own speed"] = at_own_speed(fit_run, runs, method, args.draws)
         accepted = accepted_per_round(fit_run, runs, method)
         print("\naccepted drafts per request-round by the round's step count g, replay (calibrated) vs engine:")
