@@ -19,6 +19,7 @@ import asyncio.selector_events
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 _fired: list[str] = []
@@ -42,8 +43,6 @@ def _inject_in_write() -> None:
 
 
 def _inject_in_sampler_start(out: Path) -> None:
-    import threading
-
     real_start = threading.Thread.start
 
     def start(self):

@@ -184,7 +184,6 @@ def test_a_run_with_two_target_only_servers_finalizes_against_the_plans_first(tm
     # A sweep whose plan lists two target-only servers used to measure every cell and then fail in finalize
     # ("name one as baseline"); the plan's first is its baseline.
     from spectune.store import RunStore, load_run
-
     from spectune.summary import build_summary
 
     cells = cells_frame().assign(method=lambda f: f["server"].str.split("-").str[0].where(f["is_speculative"]),
