@@ -28,6 +28,7 @@ from spectune.steplog import cell_windows, engine_requests, in_windows, join_req
 
 MAX_FOREIGN_CORES = 0.25  # cells measured while other work used more of the machine are left out of the fit
 MIN_STEPS = 10  # steps per (batch size, width) below which a median wall is not trusted
+RELATIVE_FIT_ROUNDS = 10  # re-weightings of the prefill fit (fit_prefill); it settles in 3-5
 
 
 def quiet_cells(cells: pd.DataFrame, max_foreign: float = MAX_FOREIGN_CORES) -> pd.DataFrame:
@@ -108,7 +109,10 @@ def fit_prefill(steps: pd.DataFrame) -> tuple[float, float, float, float]:
     the median hand-out time after a prefill (wall - compute). A batch of 64 prompts costs more per token than one
     (measured: 0.29 ms per token at 5,000 padded tokens, 0.19 at 300), so a line through both puts the prefills of
     a few requests 10-20% off; the square term is dropped where it, or the per-token term with it, comes out
-    negative. Returns (fixed, per_token, per_token2, per_intake)."""
+    negative. The fit is in relative error (weights 1 / the prediction): in plain least squares the few prefills of
+    64 prompts (300 ms and more) set the line, and the prefills of 1-3 prompts that make TTFT at small batch sizes
+    came out 4% too dear at 1 prompt and 7% too cheap at 3 (3 December 2026). Returns (fixed, per_token, per_token2,
+    per_intake)."""
     prefill = steps[steps["kind"] == "prefill"]
     if len(prefill) < 3:
         raise SpectuneError("round logs: fewer than 3 prefill steps logged")
@@ -116,7 +120,15 @@ def fit_prefill(steps: pd.DataFrame) -> tuple[float, float, float, float]:
     X = np.column_stack([np.ones(len(prefill)), tokens, tokens**2, prefill["num_intakes"]]).astype(float)
     y = prefill["compute_ms"].to_numpy(float)
     columns = [0, 1, 2, 3]  # fixed, per_token, per_token2, per_intake
-    fit = lambda: dict(zip(columns, np.linalg.lstsq(X[:, columns], y, rcond=None)[0]))
+
+    def fit() -> dict[int, float]:  # least squares in relative error: weights 1 / the prediction, re-fitted
+        A = X[:, columns]
+        coef = np.linalg.lstsq(A, y, rcond=None)[0]
+        for _ in range(RELATIVE_FIT_ROUNDS):
+            scale = np.maximum(A @ coef, 0.1 * float(np.median(y)))
+            coef = np.linalg.lstsq(A / scale[:, None], y / scale, rcond=None)[0]
+        return dict(zip(columns, coef))
+
     coef = fit()
     # a negative square term, or a square term that bends the line below 0 per token, then a negative fixed cost,
     # is noise: fit without it

@@ -248,3 +248,21 @@ def test_prefill_cost_grows_faster_than_its_tokens_where_the_steps_say_so():
     assert (fixed, per_token, per_token2, per_intake) == pytest.approx((2.3, 0.15, 2e-5, 0.4), rel=1e-6)
     flat = curved.assign(compute_ms=2.0 + 0.2 * tokens - 1e-6 * tokens**2 + 0.4 * intakes)
     assert fit_prefill(flat.assign(wall_ms=flat["compute_ms"]))[2] == 0.0  # concave: a line, never a negative square
+
+
+def test_prefill_cost_of_a_few_prompts_is_not_set_by_the_large_batches():
+    """TTFT at small batch sizes is made of prefills of 1-3 prompts (10-40 ms); a sweep also logs a few large ones
+    (300+ ms) whose spread, in plain least squares, sets the line. The fit is in relative error: each prefill counts
+    by its share, not its milliseconds."""
+    small = np.tile([90.0, 180.0, 270.0], 40)
+    tokens = np.concatenate([small, [2000.0, 3000.0, 4000.0, 5000.0, 5200.0, 5400.0]])
+    cost = lambda t: 3.0 + 0.12 * t + 1e-5 * t**2
+    spread = np.concatenate([np.tile([1.01, 0.99], 60), [1.0, 1.15, 0.9, 1.2, 0.85, 1.25]])  # large ones 15-25% apart
+    steps = pd.DataFrame({"kind": "prefill", "padded_tokens": tokens, "num_intakes": 0.0, "compute_ms": cost(tokens) * spread})
+    fixed, per_token, per_token2, _ = fit_prefill(steps.assign(wall_ms=steps["compute_ms"]))
+    t = small[:3]
+    assert fixed + per_token * t + per_token2 * t**2 == pytest.approx(cost(t), rel=0.02)
+    # plain least squares on the same steps: the 1-prompt prefill 11% too dear
+    X = np.column_stack([np.ones(len(tokens)), tokens, tokens**2])
+    plain = np.linalg.lstsq(X, steps["compute_ms"].to_numpy(), rcond=None)[0]
+    assert plain @ [1.0, 90.0, 90.0**2] / cost(90.0) - 1 > 0.05
