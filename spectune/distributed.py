@@ -157,6 +157,7 @@ class _Servers:
     def __init__(self, plan, store) -> None:
         self.plan, self.store = plan, store
         self.server, self.spec = None, None
+        self.repeat: int | None = None  # the repeat the running launch serves (plan.relaunch)
 
     def measure(self, cell) -> tuple[dict, bytes | None, str]:
         from spectune.progress import PlainProgress
@@ -166,7 +167,9 @@ class _Servers:
         progress = PlainProgress(lambda _: None)
         rounds_path = self.store.round_log_path(cell.server.name)
         before = rounds_path.stat().st_size if rounds_path.exists() else 0
-        if self.spec != cell.server or not self.server.alive():
+        relaunch = self.plan.relaunch and cell.repeat != self.repeat
+        self.repeat = cell.repeat
+        if self.spec != cell.server or relaunch or not self.server.alive():
             self.stop()
             self.server = make_server(cell.server, self.store.log_dir(), round_log=rounds_path, max_batch_size=max(self.plan.batch_sizes))
             self.spec = cell.server

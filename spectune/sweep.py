@@ -1,7 +1,7 @@
 """Run a sweep plan: every server, every batch size (and request rate, open loop), every repeat, on identical traffic.
 
-For each server (or all at once with plan.interleave, cells then going repeat by repeat): launch once, then for each
-(batch size, rate, repeat) not yet finished: reset its cache, warm up at the same concurrency, scrape, send the
+For each server (or all at once with plan.interleave, cells then going repeat by repeat): launch once (with
+plan.relaunch: once per repeat), then for each (batch size, rate, repeat) not yet finished: reset its cache, warm up at the same concurrency, scrape, send the
 measured requests, scrape again, and write the cell atomically before the next one starts. A server that dies fails
 only the cell it died in; it is restarted and the sweep goes on. Ctrl-C stops it at any moment (spectune.interrupt):
 the cell in flight is written as partial, finished cells are kept, and the run resumes with --resume.
@@ -52,6 +52,10 @@ def _rates(plan: Plan) -> tuple[float | None, ...]:
 
 
 def plan_cells(plan: Plan) -> list[Cell]:
+    """Every cell, server by server; within a server batch size by batch size, or with plan.relaunch repeat by repeat
+    (each repeat is a launch)."""
+    if plan.relaunch:
+        return [Cell(s, bs, r, rate) for s in plan.servers for r in range(plan.repeats) for bs in plan.batch_sizes for rate in _rates(plan)]
     return [Cell(s, bs, r, rate) for s in plan.servers for bs in plan.batch_sizes for rate in _rates(plan) for r in range(plan.repeats)]
 
 
@@ -198,6 +202,7 @@ class _Live:
         self.tokenizer = _served_tokenizer(spec)
         self.started = False
         self.failed: str | None = None
+        self.repeat: int | None = None  # the repeat this launch serves (plan.relaunch)
 
     def ready(self) -> bool:
         if self.failed is not None:
@@ -228,6 +233,10 @@ class _Live:
 
     def measure(self, plan: Plan, cell: Cell, outcome: SweepOutcome) -> None:
         """Measure `cell`, or write it failed when this server cannot be got ready."""
+        if plan.relaunch and self.started and cell.repeat != self.repeat:
+            self.server.stop()  # a fresh launch for every repeat
+            self.started = False
+        self.repeat = cell.repeat
         if not self.ready():
             with interrupt.critical():
                 self.store.write_cell({**_cell_header(plan, cell, traffic_for(plan, cell.batch_size, cell.request_rate)[2]),
@@ -323,6 +332,7 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, progress: Swe
         for i, rate in enumerate(acc.per_pos, start=1):
             row[f"accept_pos_{i}"] = rate
         row["kv_cache_usage"] = after.kv_cache_usage
+        row["server_pid"] = server.pid()  # which launch measured the cell (None: attached)
         row["live_num_steps"] = after.num_steps
     except KeyboardInterrupt:
         interrupted = True

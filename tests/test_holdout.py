@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from spectune.costmodel import AcceptanceProfile, RoundCost, fit_sweep, recommend, server_factors
-from spectune.holdout import holdout_lines, holdout_predictions, holdout_report, holdout_summary, noise_floor
+from spectune.holdout import holdout_lines, holdout_predictions, holdout_report, holdout_summary, noise_floor, one_launch
 from synthetic_sweep import SYNTHETIC_PROFILES, synthetic_cells
 
 # Verify cost linear in batch size (tokens) beyond the measured range: the truth below is exactly linear in bs.
@@ -53,6 +53,20 @@ def test_noise_floor_is_the_error_of_a_cells_mean_half_the_gap_of_two_repeats_an
     # a tuning.json written before the noise floor was reported prints the held-out lines only
     old = {k: v for k, v in holdout_report(cells).items() if not k.startswith("noise_floor")}
     assert not any(line.startswith("noise floor") for line in holdout_lines(old))
+
+
+def test_noise_floor_says_when_every_repeat_ran_on_one_launch_of_its_server():
+    """A launch's own speed is shared by all its repeats, so their spread leaves it out: said where the cells'
+    server_pid show one launch per server, not where each repeat had its own (relaunch = true) or none is recorded."""
+    cells = synthetic_cells(profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=2, noise=0.05, seed=2)
+    servers = {name: 1000 + i for i, name in enumerate(sorted(cells["server"].unique()))}
+    one = cells.assign(server_pid=cells["server"].map(servers))
+    fresh = cells.assign(server_pid=cells["server"].map(servers) * 10 + cells["repeat"])
+    assert one_launch(one) is True and one_launch(fresh) is False and one_launch(cells) is None
+    assert "relaunch = true" in holdout_lines(holdout_report(one))[-1]
+    for other in (fresh, cells):
+        line = holdout_lines(holdout_report(other))[-1]
+        assert line.startswith("noise floor:") and "relaunch" not in line
 
 
 def test_held_out_error_is_reported_as_not_computed_with_one_step_count():

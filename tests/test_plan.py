@@ -61,6 +61,9 @@ BAD_PLANS = [
     ('burstiness = 0\n[[servers]]\nname = "t"\n', "burstiness = 0: must be a number > 0"),
     ('slo_ttft_ms = -5\n[[servers]]\nname = "t"\n', "slo_ttft_ms = -5: must be a number > 0"),
     ('interleave = "yes"\n[[servers]]\nname = "t"\n', "interleave = 'yes': must be true or false"),
+    ('relaunch = 1\n[[servers]]\nname = "t"\n', "relaunch = 1: must be true or false"),
+    ('relaunch = true\n[[servers]]\nname = "t"\nengine = "openai"\nurl = "http://127.0.0.1:9"\n',
+     "relaunch = true, but server(s) ['t'] are attached by url"),
     ('[[servers]]\nname = "t"\ntokenizer = "/no/such/dir"\n', "server 't': tokenizer: cannot read a tokenizer at /no/such/dir"),
     ('[[servers]]\nname = "t"\nenv = {OMP_NUM_THREADS = 1}\n', "env = {'OMP_NUM_THREADS': 1}: must be a table of strings"),
 ]

@@ -150,6 +150,8 @@ def test_report_after_tune_includes_the_tuning_results(run, tuned, tmp_path, spe
     assert f"| {step['cells']} |" in section
     # and the noise floor beside it (repeats = 2): the error a model cannot go below
     assert f"Noise floor: {tuning['holdout']['noise_floor_pct']:.1f}%." in section
+    # measured on one launch per server, the report says what the floor leaves out and how to put it in
+    assert tuning["holdout"]["noise_floor_one_launch"] is True and "relaunch = true in the plan" in section
 
 
 def test_report_shows_deploy_commands_verdict_and_exhaustive_from_tuning_json(tuned, tmp_path):

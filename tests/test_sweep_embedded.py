@@ -77,3 +77,28 @@ def test_interleaved_sweep_runs_repeat_by_repeat_with_every_server_up_once(tmp_p
     texts = requests.pivot_table(index=["bs", "repeat", "index"], columns="server", values="text", aggfunc="first")
     assert len(texts) == 2 * (4 + 6)
     assert (texts["draft"] == texts["target"]).all() and (texts["ngram"] == texts["target"]).all()
+
+
+def test_relaunch_measures_every_repeat_on_a_fresh_launch_of_each_server(tmp_path):
+    """relaunch = true: each server is launched once per repeat and measures that repeat's cells on it (the launch's
+    pid recorded per cell), server by server and within a server repeat by repeat; outputs stay lossless."""
+    plan = SMALL_PLAN.replace("repeats = 1", "repeats = 2\nrelaunch = true").replace("batch_sizes = [1, 3]", "batch_sizes = [1, 2]")
+    plan = plan[: plan.index('[[servers]]\nname = "draft"')]  # target-only and n-gram: two launches each
+    plan += '[[servers]]\nname = "ngram"\nmethod = "ngram"\nnum_speculative_tokens = 2\nprompt_lookup_min = 1\nprompt_lookup_max = 3\n'
+    out = tmp_path / "run"
+    proc = subprocess.run(sweep_cmd(str(write_plan(tmp_path, plan)), "--out", str(out)), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    finished = [line.split()[:3] for line in lines if " r=" in line and " ok" in line]
+    assert finished == [[f"[{s}]", f"bs={bs}", f"r={r}"] for s in ("target", "ngram") for r in (0, 1) for bs in (1, 2)], finished
+    assert [line.split()[0] for line in lines if line.endswith("starting embedded server")] == ["[target]"] * 2 + ["[ngram]"] * 2
+    cells = pd.read_parquet(out / "cells.parquet")
+    assert len(cells) == 8 and (cells["status"] == "ok").all()
+    launches = cells.groupby(["server", "repeat"])["server_pid"].agg(["nunique", "first"]).reset_index()
+    assert (launches["nunique"] == 1).all()  # one launch per repeat
+    assert launches.groupby("server")["first"].nunique().eq(2).all()  # and a fresh one for the next repeat
+    requests = pd.read_parquet(out / "requests.parquet")
+    requests["server"] = requests["cell"].str.split("__").str[0]
+    requests["key"] = requests["cell"].str.split("__").str[1:].str.join("/")
+    texts = requests.pivot_table(index=["key", "index"], columns="server", values="text", aggfunc="first")
+    assert len(texts) == 2 * (4 + 4) and (texts["ngram"] == texts["target"]).all()

@@ -56,6 +56,7 @@ class Tuning:
     # held-out prediction error (spectune.holdout.holdout_summary): holdout, method, cells, <metric>_mean/max_abs_pct
     holdout: pd.DataFrame = field(default_factory=pd.DataFrame)
     holdout_noise_pct: float = math.nan  # spectune.holdout.noise_floor (NaN: not known): what a cell disagrees with itself by
+    holdout_one_launch: bool = False  # spectune.holdout.one_launch: the repeats ran on one launch of each server
     # the measured verdict per batch size: batch_size, then the tuned config's gain (%) over each compared config
     verdict_by_batch_size: pd.DataFrame = field(default_factory=pd.DataFrame)
     refined: str | None = None  # how the tuned config was refined from measurements (spectune.refine), if it was
@@ -284,6 +285,7 @@ def read_tuning(results: Path) -> Tuning | None:
         notes=[str(n) for n in raw.get("notes") or []],
         holdout=pd.DataFrame([r for r in (raw.get("holdout") or {}).get("summary") or [] if isinstance(r, dict)]),
         holdout_noise_pct=_float((raw.get("holdout") or {}).get("noise_floor_pct")),
+        holdout_one_launch=bool((raw.get("holdout") or {}).get("noise_floor_one_launch")),
         verdict_by_batch_size=_by_batch_size(raw.get("verdict")),
         refined=_refined_text(raw.get("refined")),
     )

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from spectune.holdout import NOISE_FLOOR_MEANING
+from spectune.holdout import NOISE_FLOOR_MEANING, ONE_LAUNCH_NOTE
 from spectune.report.data import ReportData
 from spectune.report.plots import Plot
 
@@ -200,7 +200,8 @@ def holdout_noise(data: ReportData) -> str:
     t = data.tuning
     if t is None or math.isnan(t.holdout_noise_pct):
         return ""
-    return f"Noise floor: {t.holdout_noise_pct:.1f}%. {NOISE_FLOOR_MEANING[0].upper()}{NOISE_FLOOR_MEANING[1:]}."
+    note = f" Here {ONE_LAUNCH_NOTE}." if t.holdout_one_launch else ""
+    return f"Noise floor: {t.holdout_noise_pct:.1f}%. {NOISE_FLOOR_MEANING[0].upper()}{NOISE_FLOOR_MEANING[1:]}.{note}"
 
 
 def method_tables(data: ReportData) -> list[tuple[str, str, Table]]:
