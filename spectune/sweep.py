@@ -234,7 +234,8 @@ class _Live:
     def measure(self, plan: Plan, cell: Cell, outcome: SweepOutcome) -> None:
         """Measure `cell`, or write it failed when this server cannot be got ready."""
         if plan.relaunch and self.started and cell.repeat != self.repeat:
-            self.server.stop()  # a fresh launch for every repeat
+            self.progress.message(f"[{self.spec.name}] repeat {cell.repeat} on a fresh launch (relaunch = true)")
+            self.server.stop()
             self.started = False
         self.repeat = cell.repeat
         if not self.ready():

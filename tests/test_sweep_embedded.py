@@ -4,6 +4,7 @@ import json
 import subprocess
 
 import pandas as pd
+import pytest
 
 from sweep_helpers import SMALL_PLAN, sweep_cmd, write_plan
 
@@ -79,10 +80,13 @@ def test_interleaved_sweep_runs_repeat_by_repeat_with_every_server_up_once(tmp_p
     assert (texts["draft"] == texts["target"]).all() and (texts["ngram"] == texts["target"]).all()
 
 
-def test_relaunch_measures_every_repeat_on_a_fresh_launch_of_each_server(tmp_path):
+@pytest.mark.parametrize("interleave", [False, True])
+def test_relaunch_measures_every_repeat_on_a_fresh_launch_of_each_server(tmp_path, interleave):
     """relaunch = true: each server is launched once per repeat and measures that repeat's cells on it (the launch's
-    pid recorded per cell), server by server and within a server repeat by repeat; outputs stay lossless."""
-    plan = SMALL_PLAN.replace("repeats = 1", "repeats = 2\nrelaunch = true").replace("batch_sizes = [1, 3]", "batch_sizes = [1, 2]")
+    pid recorded per cell): server by server and within a server repeat by repeat, or interleaved repeat by repeat with
+    each server relaunched at its first cell of the next repeat; outputs stay lossless."""
+    plan = SMALL_PLAN.replace("repeats = 1", f"repeats = 2\nrelaunch = true\ninterleave = {str(interleave).lower()}")
+    plan = plan.replace("batch_sizes = [1, 3]", "batch_sizes = [1, 2]")
     plan = plan[: plan.index('[[servers]]\nname = "draft"')]  # target-only and n-gram: two launches each
     plan += '[[servers]]\nname = "ngram"\nmethod = "ngram"\nnum_speculative_tokens = 2\nprompt_lookup_min = 1\nprompt_lookup_max = 3\n'
     out = tmp_path / "run"
@@ -90,8 +94,15 @@ def test_relaunch_measures_every_repeat_on_a_fresh_launch_of_each_server(tmp_pat
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     finished = [line.split()[:3] for line in lines if " r=" in line and " ok" in line]
-    assert finished == [[f"[{s}]", f"bs={bs}", f"r={r}"] for s in ("target", "ngram") for r in (0, 1) for bs in (1, 2)], finished
-    assert [line.split()[0] for line in lines if line.endswith("starting embedded server")] == ["[target]"] * 2 + ["[ngram]"] * 2
+    servers = ("target", "ngram")
+    if interleave:
+        expected = [[f"[{s}]", f"bs={bs}", f"r={r}"] for r in (0, 1) for bs in (1, 2) for s in servers]
+    else:
+        expected = [[f"[{s}]", f"bs={bs}", f"r={r}"] for s in servers for r in (0, 1) for bs in (1, 2)]
+    assert finished == expected, finished
+    starts = [line.split()[0] for line in lines if line.endswith("starting embedded server")]
+    assert starts == (["[target]", "[ngram]"] * 2 if interleave else ["[target]"] * 2 + ["[ngram]"] * 2)
+    assert sum(line.endswith("repeat 1 on a fresh launch (relaunch = true)") for line in lines) == 2
     cells = pd.read_parquet(out / "cells.parquet")
     assert len(cells) == 8 and (cells["status"] == "ok").all()
     launches = cells.groupby(["server", "repeat"])["server_pid"].agg(["nunique", "first"]).reset_index()
