@@ -1,10 +1,11 @@
 """Run a sweep plan: every server, every batch size (and request rate, open loop), every repeat, on identical traffic.
 
 For each server (or all at once with plan.interleave, cells then going repeat by repeat): launch once (with
-plan.relaunch: once per repeat), then for each (batch size, rate, repeat) not yet finished: reset its cache, warm up at the same concurrency, scrape, send the
-measured requests, scrape again, and write the cell atomically before the next one starts. A server that dies fails
-only the cell it died in; it is restarted and the sweep goes on. Ctrl-C stops it at any moment (spectune.interrupt):
-the cell in flight is written as partial, finished cells are kept, and the run resumes with --resume.
+plan.relaunch: once per repeat), then for each (batch size, rate, repeat) not yet finished: reset its cache, warm up
+at the same concurrency, scrape, send the measured requests, scrape again, and write the cell atomically before the
+next one starts. A server that dies fails only the cell it died in; it is restarted and the sweep goes on. Ctrl-C
+stops it at any moment (spectune.interrupt): the cell in flight is written as partial, finished cells are kept, and
+the run resumes with --resume.
 """
 
 from __future__ import annotations
