@@ -2,7 +2,7 @@
 replay was not fitted on.
 
     python benchmarks/calibration.py RESULTS [--traffic heldout] [--passes 2] [--measure] [--out DIR] [--passes-dir DIR]
-        [--at-own-speed] [--batch-sizes 4] [--bracket]
+        [--at-own-speed] [--batch-sizes 4] [--bracket] [--acceptance-from RUN]
 
 RESULTS is a closed-loop sweep tuned by `spectune tune` on a replay objective (its tuned/ holds the tuned config).
 With --measure, the four servers `spectune confirm` runs (target-only, the best static g, the tuned config, SGLang's
@@ -13,6 +13,9 @@ replayed (or those of --passes-dir, e.g. a `spectune confirm` directory) with th
 - before: the fit of spectune 0.x before calibration (step costs from round-log gaps at the swept batch sizes, a
   decode step charged its policy's g whatever was drafted, acceptance from the streamed chunks);
 - after: spectune.calibration (step clocks, verify width, the engine's own request-rounds with the drafted share).
+With --acceptance-from RUN (static servers measured on the passes' traffic), also the replay with RUN's acceptance
+per tag: the passes' own prompts', for which the fit's prompts of the same tag stand in otherwise (a diagnostic: a
+replay of new prompts cannot know it).
 With --bracket, target-only also runs between the other servers of each pass (T A T B T C T, the copies named
 target-at-N; into DIR/<traffic>...-bracket), so the host's speed is measured on the baseline right before and after
 every server's cell; --at-own-speed then also replays each server at the mean of those two speeds (a slowdown of a
@@ -43,6 +46,7 @@ import pandas as pd
 from spectune import scoring
 from spectune.calibration import FIGURES, closed_loop_of, predicted_walls, replay_vs_measured, replayed_figure, server_policy
 from spectune.costmodel import ServingCost, fit_sweep
+from spectune.errors import SpectuneError
 from spectune.simulate import draw_acceptance, simulate_requests
 from spectune.steplog import step_frame
 from spectune.confirm import TARGET, confirm_plan, pass_complete, pass_plan, pass_table, plan_servers, read_tuning, step_cost
@@ -208,6 +212,9 @@ def main() -> None:
     parser.add_argument("--passes-dir", type=Path, help="replay the passes of this directory (e.g. RESULTS/confirm) instead")
     parser.add_argument("--batch-sizes", help="with --measure: a closed loop at these batch sizes (e.g. 4,16) instead of the "
                         "traffic's arrival times; the whole set each cell")
+    parser.add_argument("--acceptance-from", type=Path, help="also replay with the acceptance of this run's static "
+                        "servers (measured on the passes' traffic: its own prompts' acceptance, which the fit's prompts "
+                        "stand in for)")
     parser.add_argument("--bracket", action="store_true", help="with --measure: target-only also runs between the other "
                         "servers in each pass (T A T B T C T; into DIR/<traffic>...-bracket), and the replay is also run at "
                         "the speed of the target-only cells just before and after each server")
@@ -237,6 +244,15 @@ def main() -> None:
     for label, calibrated in (("before", False), ("after", True)):
         table = replay_vs_measured(fit_run, runs, calibrated=calibrated, method=method, draws=args.draws)
         tables[label] = table[~table["server"].str.startswith(BRACKET)].reset_index(drop=True)
+    if args.acceptance_from:
+        try:
+            table = replay_vs_measured(fit_run, runs, calibrated=True, method=method, draws=args.draws,
+                                       acceptance_run=load_run(args.acceptance_from))
+        except SpectuneError as e:
+            raise SystemExit(f"--acceptance-from: {e}; give a run of static {method} servers "
+                             "with round logs, measured on the passes' workload")
+        source = f"{args.acceptance_from.parent.name}/{args.acceptance_from.name}"
+        tables[f"after, with the acceptance of {source}'s prompts"] = table[~table["server"].str.startswith(BRACKET)].reset_index(drop=True)
     if args.at_own_speed:
         # the host's speed of the moment, from target-only alone: a prediction for the other servers (their own step
         # walls are not used), where each one's own speed is known only after the fact

@@ -6,7 +6,7 @@ records (spectune.steplog), the replay set beside a measured run, and how fast t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -322,23 +322,30 @@ def server_policy(cell: pd.Series, method: str):
 
 
 def replay_vs_measured(fit_run, measured_runs: list, calibrated: bool, method: str | None = None, draws: int = 3,
-                       seed: int = 0) -> pd.DataFrame:
+                       seed: int = 0, acceptance_run=None) -> pd.DataFrame:
     """Per measured server (over every run given, e.g. confirm passes: their mean) the replay's predicted mean TTFT,
     TPOT and e2e next to the measured ones, with the replay fitted on fit_run (calibrated: from step clocks; else the
     older fit from round-log gaps and streamed chunks). The measured runs' traffic (workload, schedule, cap) is
-    replayed: on its arrival times, or a closed loop's cell as it sent its requests (scoring.ClosedLoop)."""
+    replayed: on its arrival times, or a closed loop's cell as it sent its requests (scoring.ClosedLoop).
+    acceptance_run: take the acceptance per tag from this run's static servers instead (a diagnostic: static servers
+    measured on the replayed traffic give its own prompts' acceptance, which a replay of new prompts cannot know)."""
     from spectune import scoring
     from spectune.costmodel import fit_sweep
     from spectune.simulate import draw_acceptance
 
     fit = fit_sweep(fit_run.cells, method=method)
     horizon = max(fit.max_steps, 7)
+    own = None
+    if acceptance_run is not None:
+        own = calibrate(acceptance_run, fit.engine, fit.method, tuple(sorted({int(b) for b in acceptance_run.cells["batch_size"]}))).profiles
     cells = pd.concat([r.cells.assign(run=i) for i, r in enumerate(measured_runs)], ignore_index=True)
     cells = cells[cells["status"] == "ok"]
     rows = []
     for (workload, cap), group in cells.groupby(["workload", "batch_size"]):
         loop = closed_loop_of(measured_runs[int(group["run"].iloc[0])], group.iloc[0])
         replay = scoring.make_replay(fit_run, fit, horizon, seed, workload, int(cap), calibrated, loop)
+        if own is not None:
+            replay = replace(replay, profiles={g: own.get(g, own[""]) for g in replay.profiles})
         all_draws = [draw_acceptance(replay.traffic, replay.profiles, horizon, seed + k) for k in range(draws)]
         for server, mine in group.groupby("server"):
             policy = server_policy(mine.iloc[0], fit.method)

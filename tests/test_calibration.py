@@ -197,6 +197,19 @@ def test_replay_of_a_measured_trace_run_sits_beside_it(runs):
         assert (table[f"{name}_predicted"] / table[f"{name}_measured"]).between(0.5, 2.0).all()
 
 
+def test_replay_can_take_the_acceptance_of_another_runs_prompts(runs):
+    """acceptance_run swaps in the acceptance per tag fitted on that run's static servers: the fit run itself gives
+    back the very replay, another run's request-rounds another one (the cost stays the fit run's)."""
+    closed, trace = (load_run(p) for p in runs)
+    plain = replay_vs_measured(closed, [trace], calibrated=True, method="ngram")
+    same = replay_vs_measured(closed, [trace], calibrated=True, method="ngram", acceptance_run=closed)
+    pd.testing.assert_frame_equal(plain, same)
+    other = replay_vs_measured(closed, [trace], calibrated=True, method="ngram", acceptance_run=trace).set_index("server")
+    plain = plain.set_index("server")
+    assert other.loc["target", "tpot_ms_predicted"] == pytest.approx(plain.loc["target", "tpot_ms_predicted"])  # nothing drafted
+    assert other.loc["ngram-g3", "tpot_ms_predicted"] != pytest.approx(plain.loc["ngram-g3", "tpot_ms_predicted"], rel=1e-6)
+
+
 def test_replay_of_a_closed_loop_run_sends_what_each_cell_sent_and_times_requests_from_their_send(runs):
     """A closed loop has no arrival times: its replay sends the cell's own requests, all ready at 0, and (as the load
     generator) starts each request's clock when a slot frees and it is sent, not at 0."""
