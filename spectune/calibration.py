@@ -6,7 +6,7 @@ records (spectune.steplog), the replay set beside a measured run, and how fast t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -337,16 +337,16 @@ def replay_vs_measured(fit_run, measured_runs: list, calibrated: bool, method: s
     horizon = max(fit.max_steps, 7)
     own = None
     if acceptance_run is not None:
-        own = calibrate(acceptance_run, fit.engine, fit.method, tuple(sorted({int(b) for b in acceptance_run.cells["batch_size"]}))).profiles
+        sizes = tuple(sorted({int(b) for b in acceptance_run.cells["batch_size"]}))
+        own = calibrate(acceptance_run, fit.engine, fit.method, sizes).profiles
     cells = pd.concat([r.cells.assign(run=i) for i, r in enumerate(measured_runs)], ignore_index=True)
     cells = cells[cells["status"] == "ok"]
     rows = []
     for (workload, cap), group in cells.groupby(["workload", "batch_size"]):
         loop = closed_loop_of(measured_runs[int(group["run"].iloc[0])], group.iloc[0])
         replay = scoring.make_replay(fit_run, fit, horizon, seed, workload, int(cap), calibrated, loop)
-        if own is not None:
-            replay = replace(replay, profiles={g: own.get(g, own[""]) for g in replay.profiles})
-        all_draws = [draw_acceptance(replay.traffic, replay.profiles, horizon, seed + k) for k in range(draws)]
+        profiles = replay.profiles if own is None else {g: own.get(g, own[""]) for g in replay.profiles}
+        all_draws = [draw_acceptance(replay.traffic, profiles, horizon, seed + k) for k in range(draws)]
         for server, mine in group.groupby("server"):
             policy = server_policy(mine.iloc[0], fit.method)
             if policy is None:
