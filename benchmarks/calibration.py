@@ -2,7 +2,7 @@
 replay was not fitted on.
 
     python benchmarks/calibration.py RESULTS [--traffic heldout] [--passes 2] [--measure] [--out DIR] [--passes-dir DIR]
-        [--at-own-speed] [--batch-sizes 4] [--bracket] [--acceptance-from RUN]
+        [--at-own-speed] [--batch-sizes 4] [--bracket] [--acceptance-from RUN] [--tuned DIR]
 
 RESULTS is a closed-loop sweep tuned by `spectune tune` on a replay objective (its tuned/ holds the tuned config).
 With --measure, the four servers `spectune confirm` runs (target-only, the best static g, the tuned config, SGLang's
@@ -182,9 +182,10 @@ def bracketed(servers: list[dict], index: int) -> list[dict]:
     return order
 
 
-def measure(results: Path, traffic: str, out: Path, passes: int, batch_sizes: list[int] | None, bracket: bool = False) -> None:
-    tuning = read_tuning(results / "tuned")
-    servers, raw = confirm_plan(load_run(results).manifest, tuning, results / "tuned", out, None)
+def measure(results: Path, traffic: str, out: Path, passes: int, batch_sizes: list[int] | None, bracket: bool = False,
+            tuned: Path | None = None) -> None:
+    tuned = tuned or results / "tuned"
+    servers, raw = confirm_plan(load_run(results).manifest, read_tuning(tuned), tuned, out, None)
     from spectune.workload import load_requests
 
     raw |= {"workload": traffic, "min_prompts": len(load_requests(traffic))}
@@ -212,6 +213,7 @@ def main() -> None:
     parser.add_argument("--passes-dir", type=Path, help="replay the passes of this directory (e.g. RESULTS/confirm) instead")
     parser.add_argument("--batch-sizes", help="with --measure: a closed loop at these batch sizes (e.g. 4,16) instead of the "
                         "traffic's arrival times; the whole set each cell")
+    parser.add_argument("--tuned", type=Path, help="the tune output to measure / that the passes measured; default: RESULTS/tuned")
     parser.add_argument("--acceptance-from", type=Path, help="also replay with the acceptance of this run's static "
                         "servers (measured on the passes' traffic: its own prompts' acceptance, which the fit's prompts "
                         "stand in for)")
@@ -223,12 +225,12 @@ def main() -> None:
     name = Path(args.traffic).stem + (f"-closed-{'-'.join(map(str, batch_sizes))}" if batch_sizes else "") + ("-bracket" if args.bracket else "")
     out = args.passes_dir or (args.out or args.results / "calibration") / name
     if args.measure:
-        measure(args.results, args.traffic, out, args.passes, batch_sizes, args.bracket)
+        measure(args.results, args.traffic, out, args.passes, batch_sizes, args.bracket, args.tuned)
     passes = sorted(p for p in out.glob("pass-*") if pass_complete(p))
     if not passes:
         raise SystemExit(f"{out}: no measured passes; run with --measure")
     fit_run = load_run(args.results)
-    tuning = read_tuning(args.results / "tuned")
+    tuning = read_tuning(args.tuned or args.results / "tuned")
     method = tuning["method"]
     # The rule spectune confirm counts passes by: none with other work on the machine, none where the engine ran
     # more than 15% slower than in the same server's median pass (a constant error of the replay cancels there).

@@ -263,15 +263,40 @@ class Calibration:
 def calibrate(run, engine: str, method: str, batch_sizes) -> Calibration:
     """Fit the replay's serving cost and acceptance from a closed-loop sweep of target-only and static `method`
     servers on the embedded engine, from quiet cells only (quiet_cells)."""
-    from spectune.scoring import _prompt_key
-    from spectune.workload import load_requests
+    cells, quiet, steps, joined, unmatched = _joined(run, engine, method, with_target=True)
+    prefill_fixed, per_token, per_token2, prefill_intake = fit_prefill(steps)
+    effects = fit_step_effects(steps)
+    delivery, stream_end = fit_client_side(steps, joined)
+    cost = ServingCost(decode=fit_step_costs(steps, tuple(batch_sizes)), prefill_fixed_ms=prefill_fixed, prefill_per_token_ms=per_token,
+                       prefill_per_token2_ms=per_token2,
+                       request_overhead_ms=max(MIN_REQUEST_OVERHEAD_MS, fit_intake(steps, joined)), source="step clocks",
+                       gather_ms_per_seq=effects.gather_ms_per_seq, intake_interference_ms=effects.intake_ms,
+                       prefill_intake_ms=prefill_intake, finish_ms=effects.finish_ms, delivery_ms=delivery, stream_end_ms=stream_end)
+    return Calibration(cost=cost, profiles=_tag_acceptance(run, joined), cells_used=len(quiet),
+                       cells_left_out=len(cells[cells["status"] == "ok"]) - len(quiet), requests_matched=len(joined),
+                       requests_unmatched=unmatched)
 
+
+def served_acceptance(run, engine: str, method: str) -> dict[str, PositionalAcceptance]:
+    """Acceptance per request tag ("" pools all) of a run's static `method` servers alone, from their quiet cells:
+    measured on the prompts to be served, it stands in for the acceptance a sweep measured on other prompts (a
+    tag's acceptance does not carry over to other prompts of the tag; benchmarks/README.md, issue 13)."""
+    return _tag_acceptance(run, _joined(run, engine, method, with_target=False)[3])
+
+
+def _joined(run, engine: str, method: str, with_target: bool):
+    """The run's static `method` (and with_target: target-only) cells, the quiet ones, their engine steps within
+    the cells' windows, and their requests joined with the engine's record of them (steplog.join_requests)."""
     cells = run.cells[(run.cells["engine"] == engine) & run.cells["adaptive_config"].isna()]
-    cells = cells[~cells["is_speculative"].astype(bool) | ((cells["method"] == method) & (cells["num_speculative_tokens"] > 0))]
+    spec = cells["is_speculative"].astype(bool) & (cells["method"] == method) & (cells["num_speculative_tokens"] > 0)
+    cells = cells[spec | (~cells["is_speculative"].astype(bool) & with_target)]
     quiet = quiet_cells(cells)
     servers = sorted(set(quiet["server"]) & set(run.round_logs))
     if not servers:
-        raise SpectuneError(f"{run.root}: no round logs of target-only or static {method} servers")
+        if with_target:
+            raise SpectuneError(f"{run.root}: no round logs of target-only or static {method} servers on the {engine} engine")
+        raise SpectuneError(f"{run.root}: no round logs of static {method} servers on the {engine} engine; sweep static "
+                            f"{method} servers (num_speculative_tokens = [...]) on the prompts to be served")
     all_steps, joined, unmatched = [], [], 0
     for server in servers:
         steps = step_frame(run.round_logs[server]).assign(server=server)
@@ -283,21 +308,15 @@ def calibrate(run, engine: str, method: str, batch_sizes) -> Calibration:
             j = join_requests(run.requests[run.requests["cell"] == cell], engine_rows)
             unmatched += j.attrs["unmatched"]
             joined.append(j)
-    steps = pd.concat(all_steps, ignore_index=True)
-    joined = pd.concat(joined, ignore_index=True)
-    prefill_fixed, per_token, per_token2, prefill_intake = fit_prefill(steps)
-    effects = fit_step_effects(steps)
-    delivery, stream_end = fit_client_side(steps, joined)
-    cost = ServingCost(decode=fit_step_costs(steps, tuple(batch_sizes)), prefill_fixed_ms=prefill_fixed, prefill_per_token_ms=per_token,
-                       prefill_per_token2_ms=per_token2,
-                       request_overhead_ms=max(MIN_REQUEST_OVERHEAD_MS, fit_intake(steps, joined)), source="step clocks",
-                       gather_ms_per_seq=effects.gather_ms_per_seq, intake_interference_ms=effects.intake_ms,
-                       prefill_intake_ms=prefill_intake, finish_ms=effects.finish_ms, delivery_ms=delivery, stream_end_ms=stream_end)
+    return cells, quiet, pd.concat(all_steps, ignore_index=True), pd.concat(joined, ignore_index=True), unmatched
+
+
+def _tag_acceptance(run, joined: pd.DataFrame) -> dict[str, PositionalAcceptance]:
+    from spectune.scoring import _prompt_key
+    from spectune.workload import load_requests
+
     tags = {_prompt_key(r): r.tag for r in load_requests(run.manifest["plan"]["workload"])}
-    spec = joined[joined["e_num_steps"].map(lambda s: bool(s) and max(s) > 0)]
-    return Calibration(cost=cost, profiles=round_acceptance(spec, tags), cells_used=len(quiet),
-                       cells_left_out=len(cells[cells["status"] == "ok"]) - len(quiet), requests_matched=len(joined),
-                       requests_unmatched=unmatched)
+    return round_acceptance(joined[joined["e_num_steps"].map(lambda s: bool(s) and max(s) > 0)], tags)
 
 
 # --- the replay beside a measured run ------------------------------------------------------------------------------
@@ -335,18 +354,14 @@ def replay_vs_measured(fit_run, measured_runs: list, calibrated: bool, method: s
 
     fit = fit_sweep(fit_run.cells, method=method)
     horizon = max(fit.max_steps, 7)
-    own = None
-    if acceptance_run is not None:
-        sizes = tuple(sorted({int(b) for b in acceptance_run.cells["batch_size"]}))
-        own = calibrate(acceptance_run, fit.engine, fit.method, sizes).profiles
+    own = None if acceptance_run is None else served_acceptance(acceptance_run, fit.engine, fit.method)
     cells = pd.concat([r.cells.assign(run=i) for i, r in enumerate(measured_runs)], ignore_index=True)
     cells = cells[cells["status"] == "ok"]
     rows = []
     for (workload, cap), group in cells.groupby(["workload", "batch_size"]):
         loop = closed_loop_of(measured_runs[int(group["run"].iloc[0])], group.iloc[0])
-        replay = scoring.make_replay(fit_run, fit, horizon, seed, workload, int(cap), calibrated, loop)
-        profiles = replay.profiles if own is None else {g: own.get(g, own[""]) for g in replay.profiles}
-        all_draws = [draw_acceptance(replay.traffic, profiles, horizon, seed + k) for k in range(draws)]
+        replay = scoring.make_replay(fit_run, fit, horizon, seed, workload, int(cap), calibrated, loop, acceptance=own)
+        all_draws = [draw_acceptance(replay.traffic, replay.profiles, horizon, seed + k) for k in range(draws)]
         for server, mine in group.groupby("server"):
             policy = server_policy(mine.iloc[0], fit.method)
             if policy is None:

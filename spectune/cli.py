@@ -92,6 +92,8 @@ def tune(
                                   "ttft, tpot, e2e of replayed traffic (embedded-engine sweeps)."),
     traffic: Optional[str] = typer.Option(None, help="ttft/tpot/e2e: workload (name or file, with arrival_s) to replay. Default: the sweep's."),
     max_concurrency: Optional[int] = typer.Option(None, help="ttft/tpot/e2e: requests in flight and engine slots. Default: the sweep's largest batch size."),
+    acceptance_from: Optional[Path] = typer.Option(None, help="ttft/tpot/e2e: a results directory of static servers of the method measured on "
+                                                   "the traffic's prompts; the replay draws their acceptance instead of the sweep's."),
     worker: bool = typer.Option(False, help="Only run trials for the shared study; write nothing (finish with --trials 0)."),
     seed: int = typer.Option(0, help="Seed of the sampler and the synthetic traces."),
     sglang_version: str = typer.Option("0.5.23", help="SGLang release to write adaptive_spec.json for."),
@@ -108,7 +110,8 @@ def tune(
 
     outcome = run_tune(TuneOptions(results_dir=results, storage=storage, trials=trials, objective=objective, worker=worker, seed=seed,
                                    sglang_version=sglang_version, out_dir=out, draft_model=draft_model, method=method,
-                                   traffic=traffic, max_concurrency=max_concurrency, exhaustive=exhaustive, refine=refine), log=typer.echo)
+                                   traffic=traffic, max_concurrency=max_concurrency, acceptance_from=acceptance_from,
+                                   exhaustive=exhaustive, refine=refine), log=typer.echo)
     if outcome.summary is not None:
         typer.echo(outcome.summary[["name", "speedup", "policy"]].to_string(index=False, float_format="%.3f"))
         typer.echo("\n".join(str(p) for p in outcome.files))

@@ -14,8 +14,10 @@ the traffic (default: the sweep's workload, all of it, sent on its arrival_s wit
 batch size in flight, each request writing the plan's max_tokens) replayed through the embedded engine's
 loop on step costs fitted from its round logs (costmodel.fit_serving_cost), with every request-round's
 acceptance drawn from its workload phase's (tag's) per-position acceptance, measured on the sweep's streamed
-chunks (one chunk per request and round). Score: target-only's mean metric over the policy's, the geometric
-mean over REPLAY_SEEDS acceptance draws. Needs an embedded-engine sweep whose round logs hold prefill steps.
+chunks (one chunk per request and round), or on another run's static servers (make_bench's acceptance_run: static
+servers measured on the traffic's own prompts, whose acceptance other prompts of their tag do not carry).
+Score: target-only's mean metric over the policy's, the geometric mean over REPLAY_SEEDS acceptance draws.
+Needs an embedded-engine sweep whose round logs hold prefill steps.
 
 Slots route unpadded, as SGLang 0.5.23 does unless launched with --cuda-graph-bs-decode.
 """
@@ -136,13 +138,18 @@ def _gain(objective: str, base: SimResult | RequestSimResult, result: SimResult 
 
 
 def make_bench(run: Run, objective: str, seed: int, method: str | None = None, traffic: str | None = None,
-               max_concurrency: int | None = None) -> Bench:
+               max_concurrency: int | None = None, acceptance_run: Run | None = None) -> Bench:
+    """acceptance_run: a run of static servers of the method measured on the traffic's prompts; the replay then
+    draws their acceptance instead of the sweep's (replay objectives only)."""
     fit = fit_sweep(run.cells, method=method)
     preset_steps = max(s for cfg in PRESETS.values() for slot in cfg.slots.values() for s in slot.candidate_steps)
     horizon = max(fit.max_steps, preset_steps)
     space = SearchSpace(batch_sizes=fit.cost.batch_sizes, steps=tuple(range(fit.max_steps + 1)))
     if objective in REQUEST_METRICS:
-        replay = make_replay(run, fit, horizon, seed, traffic, max_concurrency)
+        from spectune.calibration import served_acceptance
+
+        served = None if acceptance_run is None else served_acceptance(acceptance_run, fit.engine, fit.method)
+        replay = make_replay(run, fit, horizon, seed, traffic, max_concurrency, acceptance=served)
         return Bench(fit=fit, traces=(), replay=replay, baselines=replay.run(StaticPolicy(0)), objective=objective, space=space,
                      horizon=horizon)
     traces = _traces(run, fit, horizon, seed)
@@ -151,15 +158,18 @@ def make_bench(run: Run, objective: str, seed: int, method: str | None = None, t
 
 
 def make_replay(run: Run, fit: CostFit, horizon: int, seed: int, traffic_source: str | None = None,
-                max_concurrency: int | None = None, calibrated: bool = True, closed_loop: ClosedLoop | None = None) -> Replay:
+                max_concurrency: int | None = None, calibrated: bool = True, closed_loop: ClosedLoop | None = None,
+                acceptance: dict[str, PositionalAcceptance] | None = None) -> Replay:
     """The replay bench of a sweep: its traffic, serving cost and acceptance by workload phase (module docstring).
     At most max_concurrency requests in flight (default: the sweep's largest batch size), and as many engine slots:
     a trace-schedule sweep launches the engine with --max-num-seqs = its cap on requests in flight. closed_loop: the
-    requests of a closed-loop cell instead, all ready at 0 (replay_traffic)."""
+    requests of a closed-loop cell instead, all ready at 0 (replay_traffic). acceptance: per tag ("" pools all), in
+    place of the sweep's (calibration.served_acceptance)."""
     plan = run.manifest.get("plan", {})
     max_num_seqs = max_concurrency or max(plan.get("batch_sizes") or fit.cost.batch_sizes)
     traffic = replay_traffic(run, traffic_source or plan["workload"], max_num_seqs, closed_loop)
     cost, profiles = replay_terms(run, fit, calibrated)
+    profiles = dict(acceptance) if acceptance is not None else profiles
     pooled = profiles.pop("")
     profiles = {g: profiles.get(g, pooled) for g in set(traffic.groups)}
     draws = tuple(draw_acceptance(traffic, profiles, horizon, seed + k) for k in range(REPLAY_SEEDS))
@@ -228,6 +238,16 @@ def replay_traffic(run: Run, source: str, max_concurrency: int, closed_loop: Clo
         groups=tuple(r.tag or "" for r in requests),
         max_concurrency=max_concurrency,
     )
+
+
+def prompts_not_swept(run: Run, source: str) -> tuple[int, int]:
+    """How many of the prompts of `source` no request of the sweep sent, of how many: the replay draws their
+    acceptance from the sweep's prompts of the same tag."""
+    from spectune.workload import load_requests
+
+    swept = set(run.requests["prompt"].dropna()) if "prompt" in run.requests else set()
+    keys = {_prompt_key(r) for r in load_requests(source)}
+    return len(keys - swept), len(keys)
 
 
 def _engine_tokenizer(plan: dict):

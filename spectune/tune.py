@@ -26,7 +26,7 @@ from spectune.emit import ADAPTIVE_ALGORITHMS, validate_sglang_config
 from spectune.errors import SpectuneError
 from spectune.holdout import holdout_lines
 from spectune.refine import kept_text, refine
-from spectune.scoring import Bench, Score, make_bench
+from spectune.scoring import REQUEST_METRICS, Bench, Score, make_bench, prompts_not_swept
 from spectune.search import open_study, redact, run_trials, trial_counts
 from spectune.simulate import StaticPolicy
 from spectune.store import Run, load_run
@@ -48,6 +48,7 @@ class TuneOptions:
     method: str | None = None  # the speculative method to tune; None = sglang_method (EAGLE if measured, else the fastest)
     traffic: str | None = None  # replay objectives: workload name or file with arrival_s; None = the sweep's
     max_concurrency: int | None = None  # replay objectives: requests in flight and engine slots; None = the sweep's largest batch size
+    acceptance_from: Path | None = None  # replay objectives: a run of static servers measured on the traffic's prompts
     exhaustive: bool = True  # also score an exhaustive grid of SGLang configs (spectune.exhaustive; a minute or two)
     refine: bool = False  # write the config that keeps the best measured slot per batch size (spectune.refine); no trials
 
@@ -70,7 +71,10 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcom
     outdir = options.out_dir or Path(options.results_dir) / "tuned"
     refined, record = refine(outdir) if options.refine and not options.worker else (None, None)  # before the bench: fails fast
     method = options.method or sglang_method(run.cells)
-    bench = make_bench(run, options.objective, options.seed, method, options.traffic, options.max_concurrency)
+    served = acceptance_run(options)
+    bench = make_bench(run, options.objective, options.seed, method, options.traffic, options.max_concurrency, served)
+    if bench.replay is not None:
+        log(acceptance_text(served or run, options.traffic or run.manifest["plan"]["workload"], bench, options))
     storage = options.storage or f"sqlite:///{Path(options.results_dir).resolve() / 'study.db'}"
     study_name = f"spectune-{Path(options.results_dir).resolve().name}-{bench.fit.method}-{options.objective}"
     if bench.replay is not None:  # a study's scores hold for one replayed traffic and concurrency only
@@ -101,6 +105,37 @@ def sglang_method(cells: pd.DataFrame) -> str | None:
     static = usable[usable["is_speculative"].astype(bool) & usable["adaptive_config"].isna() & (usable["num_speculative_tokens"] > 0)]
     runnable = static[static["method"].astype(str).str.upper().isin(ADAPTIVE_ALGORITHMS)]
     return fastest_method(runnable, usable)[1] if not runnable.empty else None
+
+
+def acceptance_run(options: TuneOptions) -> Run | None:
+    """The run --acceptance-from names, checked: replay objectives only, and a results directory with cells."""
+    if options.acceptance_from is None:
+        return None
+    if options.objective not in REQUEST_METRICS:
+        raise SpectuneError(f"--acceptance-from {options.acceptance_from}: only the replay objectives ({', '.join(REQUEST_METRICS)}) "
+                            f"draw acceptance per request; use --objective e2e (or ttft, tpot), or drop --acceptance-from")
+    try:
+        run = load_run(options.acceptance_from)
+    except SpectuneError as e:
+        raise SpectuneError(f"--acceptance-from: {e}") from None
+    if run.cells.empty:
+        raise SpectuneError(f"--acceptance-from {options.acceptance_from}: no finished cells; let its `spectune sweep` finish first")
+    return run
+
+
+def acceptance_text(source: Run, traffic: str, bench: Bench, options: TuneOptions) -> str:
+    """Where the replay's acceptance comes from (the sweep, or --acceptance-from's run), and a warning where the
+    traffic's prompts never ran there: the replay then gives them the acceptance of other prompts of their tag."""
+    replay, method = bench.replay, bench.fit.method
+    tags = ", ".join(sorted(g or "untagged" for g in replay.profiles))
+    where = f"the static {method} servers of {options.acceptance_from}" if options.acceptance_from else f"the sweep's static {method} servers"
+    unseen, total = prompts_not_swept(source, traffic)
+    if not unseen:
+        return f"acceptance: per tag ({tags}) from {where}, measured on the traffic's own prompts"
+    return (f"acceptance: {unseen} of the {total} prompts of traffic {replay.traffic.name} never ran on {where}; the replay "
+            f"gives them the acceptance of other prompts of their tag ({tags}), which can be well off (measured: 15% at "
+            f"g = 7, benchmarks/README.md, issue 13). To tune on their own: sweep static {method} servers on them (one "
+            f"batch size, g up to {bench.fit.max_steps}) and pass that run as --acceptance-from")
 
 
 def bench_digest(bench: Bench) -> str:

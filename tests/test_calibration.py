@@ -279,3 +279,45 @@ def test_prefill_cost_of_a_few_prompts_is_not_set_by_the_large_batches():
     X = np.column_stack([np.ones(len(tokens)), tokens, tokens**2])
     plain = np.linalg.lstsq(X, steps["compute_ms"].to_numpy(), rcond=None)[0]
     assert plain @ [1.0, 90.0, 90.0**2] / cost(90.0) - 1 > 0.05
+
+
+def test_tune_draws_the_acceptance_of_the_run_named_by_acceptance_from_and_says_where_it_comes_from(runs, tmp_path):
+    """`spectune tune --acceptance-from RUN` on a replay objective: the replay's acceptance comes from RUN's static
+    servers (tuning.json records it, the serving cost stays the sweep's), and tune says so; replaying prompts the
+    sweep never ran, it warns that their acceptance is carried over from other prompts of their tag."""
+    from spectune.errors import SpectuneError
+    from spectune.calibration import served_acceptance
+    from spectune.tune import TuneOptions, tune
+
+    closed, trace = runs
+    rows = [json.loads(line) for line in (Path(__file__).parent.parent / "workloads" / "phase.jsonl").read_text().splitlines()]
+    new = [r for r in rows if r["tag"] in ("quote", "random")][10:16]  # prompts neither run sent
+    fresh = tmp_path / "fresh.jsonl"
+    fresh.write_text("".join(json.dumps({**r, "arrival_s": 0.2 * i}) + "\n" for i, r in enumerate(new)))
+    mix = str(load_run(trace).manifest["plan"]["workload"])
+
+    def run_tune(name: str, traffic: str, acceptance_from: Path | None = None) -> tuple[list[str], dict]:
+        lines: list[str] = []
+        options = TuneOptions(results_dir=closed, objective="e2e", trials=2, traffic=traffic, max_concurrency=4, exhaustive=False,
+                              out_dir=tmp_path / name, acceptance_from=acceptance_from)
+        tune(options, log=lines.append)
+        return lines, json.loads((tmp_path / name / "tuning.json").read_text())
+
+    lines, plain = run_tune("unseen", str(fresh))
+    assert any("6 of the 6 prompts of traffic fresh never ran on the sweep's static ngram servers" in l and "--acceptance-from" in l
+               for l in lines), lines
+    assert plain["acceptance_from"] is None
+    lines, swept = run_tune("swept", mix)
+    assert any("measured on the traffic's own prompts" in l for l in lines), lines
+    lines, served = run_tune("served", mix, acceptance_from=trace)
+    assert any(f"from the static ngram servers of {trace}" in l for l in lines), lines
+    assert served["acceptance_from"] == str(trace)
+    assert served["serving_cost"] == swept["serving_cost"]  # the sweep's cost, another run's acceptance
+    assert served["replay_acceptance"] != swept["replay_acceptance"]
+    # bad input: one line naming the option and the fix
+    with pytest.raises(SpectuneError, match="--acceptance-from .*only the replay objectives"):
+        tune(TuneOptions(results_dir=closed, objective="throughput", trials=1, acceptance_from=trace, out_dir=tmp_path / "x"), log=lambda _: None)
+    with pytest.raises(SpectuneError, match="--acceptance-from: .*no run here"):
+        tune(TuneOptions(results_dir=closed, objective="e2e", trials=1, acceptance_from=tmp_path, out_dir=tmp_path / "x"), log=lambda _: None)
+    with pytest.raises(SpectuneError, match="no round logs of static eagle servers .*sweep static eagle servers"):
+        served_acceptance(load_run(closed), "embedded", "eagle")
