@@ -20,7 +20,9 @@ Variants, each a full spectune.holdout run on the same cells:
   +server    : and a held-out cell's server scaled by how it ran at the batch sizes the fit saw
                (costmodel.server_factors: leave one batch size out only; spectune's model now)
 Also the noise floor (spectune.holdout.noise_floor): the expected absolute % error of a cell's mean output tokens/s,
-from the spread of its repeats (with two repeats, half their difference).
+from the spread of its repeats (with two repeats, half their difference); and the paired floor: the same for a cell's
+speedup over target-only taken within each repeat (its tok/s over target-only's at that batch size in that repeat),
+where what every server shares at one batch size in one repeat (the host's speed then) cancels.
 """
 
 from __future__ import annotations
@@ -77,6 +79,21 @@ def _variant(name: str) -> dict[str, object]:
     return patch
 
 
+def paired_floor(cells: pd.DataFrame) -> float | None:
+    """Mean over speculative (server, batch size) cells of the expected absolute % error of their mean speedup over
+    target-only, the speedup taken within each repeat (spectune.holdout.mean_error_pct of its log over the repeats)."""
+    from spectune.holdout import mean_error_pct
+
+    ok = cells[cells["status"] == "ok"]
+    target = ok[~ok["is_speculative"].astype(bool)].groupby(["batch_size", "repeat"])["output_throughput_tps"].mean()
+    spec = ok[ok["is_speculative"].astype(bool)]
+    base = target.reindex(pd.MultiIndex.from_arrays([spec["batch_size"], spec["repeat"]])).to_numpy()
+    log_speedup = pd.Series(np.log(spec["output_throughput_tps"].to_numpy() / base), index=spec.index).dropna()
+    groups = log_speedup.groupby([spec["server"], spec["batch_size"]]).agg(["std", "size"])
+    groups = groups[groups["size"] >= 2]
+    return float(np.mean([mean_error_pct(1.0, sd, int(n)) for sd, n in groups.itertuples(index=False)])) if len(groups) else None
+
+
 def relaunch_noise(a: pd.DataFrame, b: pd.DataFrame) -> tuple[float, float]:
     """Half the difference of each (server, batch size)'s mean tok/s between two runs of one plan (every server launched
     again, minutes later), as a share of their mean: (mean, max) %. What a cell's prediction from cells measured in
@@ -105,6 +122,8 @@ def main() -> None:
         floor = noise_floor(cells)
         print(f"\n{path}: noise floor (expected error of a cell's mean tok/s over its repeats) "
               + (f"{floor:.1f}%" if floor is not None else "not known (no cell measured twice)"))
+        if (paired := paired_floor(cells)) is not None:
+            print(f"paired floor (expected error of a cell's mean speedup over target-only, paired within each repeat) {paired:.1f}%")
         print("| model | held out | method | cells | TPOT mean / max | tok/s mean / max | speedup mean / max |")
         print("|---|---|---|---|---|---|---|")
         for name in VARIANTS:

@@ -116,9 +116,13 @@ def noise_floor(cells: pd.DataFrame) -> float | None:
     groups = groups[groups["size"] >= 2]
     if groups.empty:
         return None
-    n = groups["size"].astype(float)
-    c4 = n.map(lambda k: math.sqrt(2.0 / (k - 1.0)) * math.exp(math.lgamma(k / 2.0) - math.lgamma((k - 1.0) / 2.0)))
-    return float((100.0 * math.sqrt(2.0 / math.pi) * groups["std"] / (c4 * np.sqrt(n)) / groups["mean"]).mean())
+    return float(np.mean([mean_error_pct(m, sd, int(n)) for m, sd, n in groups.itertuples(index=False)]))
+
+
+def mean_error_pct(mean: float, sd: float, n: int) -> float:
+    """Expected absolute error of a mean of n repeats with sample SD sd, in % of the mean (noise_floor's formula)."""
+    c4 = math.sqrt(2.0 / (n - 1.0)) * math.exp(math.lgamma(n / 2.0) - math.lgamma((n - 1.0) / 2.0))
+    return 100.0 * math.sqrt(2.0 / math.pi) * sd / (c4 * math.sqrt(n)) / mean
 
 
 def holdout_lines(report: dict[str, object]) -> list[str]:
