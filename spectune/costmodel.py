@@ -158,10 +158,8 @@ class AcceptanceProfile:
 @dataclass(frozen=True, slots=True)
 class RoundCost:
     """Round time in ms per batch size (see the module docstring). Between measured batch sizes the terms
-    are interpolated linearly; above the range they continue the line through the two largest measured batch sizes:
-    verify and draft work grow with the tokens a round processes, batch x (g + 1). Below it they hold at the smallest:
-    a small batch's round is mostly fixed cost, and a line continued downwards doubles the noise of the two cells it
-    is drawn through (held-out batch 1 off by 16% against 21% on five grids, benchmarks/README.md)."""
+    are interpolated linearly; beyond the range they continue the line through the two nearest measured batch
+    sizes (floored at 0): verify and draft work grow with the tokens a round processes, batch x (g + 1)."""
 
     batch_sizes: tuple[int, ...]
     target_ms: tuple[float, ...]
@@ -209,13 +207,13 @@ class RoundCost:
 
 
 def _extrapolate(x: np.ndarray, xs: Sequence[float], ys: Sequence[float]) -> np.ndarray:
-    """np.interp inside [xs[0], xs[-1]] and held at ys[0] below it; above, the line through the two last points,
-    floored at 0 (RoundCost)."""
+    """np.interp inside [xs[0], xs[-1]]; beyond, the line through the two nearest points, floored at 0."""
     y = np.interp(x, xs, ys)
     if len(xs) < 2:
         return y
+    lo = ys[0] + (ys[1] - ys[0]) / (xs[1] - xs[0]) * (x - xs[0])
     hi = ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
-    return np.maximum(np.where(x > xs[-1], hi, y), 0.0)
+    return np.maximum(np.where(x < xs[0], lo, np.where(x > xs[-1], hi, y)), 0.0)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -331,8 +329,8 @@ def _acceptance_by_batch_size(spec: pd.DataFrame, acceptance: dict[str, Acceptan
 
 
 def _request_terms(batch_sizes: pd.Series, spec: pd.DataFrame) -> tuple[float, ...]:
-    """RoundCost.request_ms at the fit's batch sizes: measured where speculative cells ran, else interpolated or
-    extrapolated as RoundCost's terms are (_extrapolate); () where nothing measured it."""
+    """RoundCost.request_ms at the fit's batch sizes: measured where speculative cells ran, else the line through the
+    nearest two (floored at 0); () where nothing measured it."""
     h = request_ms_by_batch_size(spec.dropna(subset=["output_throughput_tps", "tpot_ms_mean"])).dropna()
     if h.empty or not (h > 0).any():
         return ()
