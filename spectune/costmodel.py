@@ -254,7 +254,7 @@ def _between_batch_sizes(measured: dict[int, AcceptanceProfile], batch_size: int
     nearest measured ones, that of the nearest beyond them; None where none was measured. A closed-loop sweep sends a
     batch size the first N prompts of the workload, N growing with it, so a batch size shares most of its prompts with
     its neighbours (all of them at min_prompts) and its acceptance is theirs more than the whole workload's
-    (leaving a batch size out, tok/s error 0.2-0.7 points lower on five of six sweeps, benchmarks/README.md)."""
+    (leaving a batch size out, tok/s error 0.2-0.7 points lower on seven of eight sweeps, benchmarks/README.md)."""
     if not measured:
         return None
     sizes = sorted(measured)
