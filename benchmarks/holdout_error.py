@@ -59,13 +59,12 @@ class _HeldAtNearest(costmodel.RoundCost):
 VARIANTS = ("before", "+bs extrap", "+joint", "+request", "+trend", "+bs accept", "+server", "+between", "held below")
 
 
+_LINE = costmodel._extrapolate  # the model's own, kept before a variant replaces it
+
+
 def _held_below(x, xs, ys):
     """costmodel._extrapolate with the line kept above the range only: below it, held at ys[0]."""
-    y = np.interp(x, xs, ys)
-    if len(xs) < 2:
-        return y
-    hi = ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
-    return np.maximum(np.where(x > xs[-1], hi, y), 0.0)
+    return _LINE(np.maximum(x, xs[0]), xs, ys)
 
 
 def _variant(name: str) -> dict[str, object]:
