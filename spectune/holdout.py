@@ -28,7 +28,8 @@ import math
 import numpy as np
 import pandas as pd
 
-from spectune.costmodel import CostFit, fit_sweep, ms_per_token, server_factors, split_failed
+from spectune.costmodel import CostFit, ms_per_token, server_factors, split_failed
+from spectune.drain import Speeds, fit_steady, predicted_share
 from spectune.errors import SpectuneError
 
 METRICS = ("tpot", "throughput", "speedup")
@@ -46,10 +47,13 @@ HOLDOUT_NAMES = {"step_count": "leave one step count out", "batch_size": "leave 
                  "batch_size_inside": "leave one batch size out, inside the measured range"}
 
 
-def holdout_predictions(cells: pd.DataFrame) -> pd.DataFrame:
+def holdout_predictions(cells: pd.DataFrame, speeds: Speeds | None = None) -> pd.DataFrame:
     """One row per held-out cell and way of holding out: holdout, engine, method, server, batch_size, g, extrapolated
     (the held-out value is its method's smallest or largest: the fit extrapolates to it), and per metric predicted_<m>,
-    measured_<m>, <m>_abs_pct_error. Empty where no method has two step counts and two batch sizes."""
+    measured_<m>, <m>_abs_pct_error. Empty where no method has two step counts and two batch sizes. With the requests'
+    speeds (spectune.drain.request_speeds) the fit is on steady throughput and each held-out closed-loop cell's
+    predicted tok/s and speedup are scaled by its drain, from the speeds of the cells the fit saw."""
+    speeds = speeds or {}
     usable, _ = split_failed(cells)
     usable = usable.dropna(subset=["output_throughput_tps"])
     static = usable[usable["is_speculative"].astype(bool) & usable["adaptive_config"].isna() & (usable["num_speculative_tokens"] > 0)]
@@ -64,10 +68,17 @@ def holdout_predictions(cells: pd.DataFrame) -> pd.DataFrame:
                 held = spec[spec[column] == value]
                 train = pd.concat([others, spec[spec[column] != value]])
                 try:
-                    fit = fit_sweep(train, engine=engine, method=method)
+                    fit, steady = fit_steady(train, speeds, engine=engine, method=method)
                 except SpectuneError:
                     continue  # too little left to fit (e.g. no target-only at any remaining batch size)
-                rows += [{**r, "extrapolated": value in (values[0], values[-1])} for r in _predict(fit, train, usable, held, holdout)]
+                for r in _predict(fit, steady, usable, held, holdout):
+                    if speeds:
+                        at = held[(held["server"] == r["server"]) & (held["batch_size"] == r["batch_size"])]
+                        share = predicted_share(fit, train, speeds, r["batch_size"], r["g"], int(at["num_requests"].max()))
+                        for m in ("throughput", "speedup"):
+                            r[f"predicted_{m}"] *= share
+                            r[f"{m}_abs_pct_error"] = 100.0 * abs(r[f"predicted_{m}"] - r[f"measured_{m}"]) / r[f"measured_{m}"]
+                    rows.append({**r, "extrapolated": value in (values[0], values[-1])})
     return pd.DataFrame(rows)
 
 
@@ -91,9 +102,9 @@ def holdout_summary(predictions: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def holdout_report(cells: pd.DataFrame) -> dict[str, object]:
+def holdout_report(cells: pd.DataFrame, speeds: Speeds | None = None) -> dict[str, object]:
     """tuning.json's "holdout": what it means, the summary and every held-out cell."""
-    predictions = holdout_predictions(cells)
+    predictions = holdout_predictions(cells, speeds)
     return {
         "meaning": "each static speculative cell (server, batch size; mean over repeats) predicted by a fit that did not see "
                    "it: leave one step count out (g), leave one batch size out (target-only kept); absolute % error of "

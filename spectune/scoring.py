@@ -38,9 +38,9 @@ from spectune.costmodel import (
     ServingCost,
     fit_positional_acceptance,
     fit_serving_cost,
-    fit_sweep,
     read_step_log,
 )
+from spectune.drain import Speeds, fit_steady, request_speeds
 from spectune.emit import never_drafts, sglang_launch_steps
 from spectune.errors import SpectuneError
 from spectune.search import SearchSpace
@@ -106,6 +106,7 @@ class Bench:
     objective: str
     space: SearchSpace
     horizon: int  # the largest step count acceptance is known for
+    speeds: Speeds  # the sweep's per-request speeds, for its closed-loop cells' drain (spectune.drain)
 
     def run(self, policy: Policy) -> dict[str, SimResult | RequestSimResult]:
         if self.replay is not None:
@@ -141,7 +142,8 @@ def make_bench(run: Run, objective: str, seed: int, method: str | None = None, t
                max_concurrency: int | None = None, acceptance_run: Run | None = None) -> Bench:
     """acceptance_run: a run of static servers of the method measured on the traffic's prompts; the replay then
     draws their acceptance instead of the sweep's (replay objectives only)."""
-    fit = fit_sweep(run.cells, method=method)
+    speeds = request_speeds(run.requests)
+    fit, _ = fit_steady(run.cells, speeds, method=method)
     preset_steps = max(s for cfg in PRESETS.values() for slot in cfg.slots.values() for s in slot.candidate_steps)
     horizon = max(fit.max_steps, preset_steps)
     space = SearchSpace(batch_sizes=fit.cost.batch_sizes, steps=tuple(range(fit.max_steps + 1)))
@@ -151,10 +153,11 @@ def make_bench(run: Run, objective: str, seed: int, method: str | None = None, t
         served = None if acceptance_run is None else served_acceptance(acceptance_run, fit.engine, fit.method)
         replay = make_replay(run, fit, horizon, seed, traffic, max_concurrency, acceptance=served)
         return Bench(fit=fit, traces=(), replay=replay, baselines=replay.run(StaticPolicy(0)), objective=objective, space=space,
-                     horizon=horizon)
+                     horizon=horizon, speeds=speeds)
     traces = _traces(run, fit, horizon, seed)
     baselines = {t.name: simulate(t, StaticPolicy(0), fit.cost) for t in traces}
-    return Bench(fit=fit, traces=tuple(traces), replay=None, baselines=baselines, objective=objective, space=space, horizon=horizon)
+    return Bench(fit=fit, traces=tuple(traces), replay=None, baselines=baselines, objective=objective, space=space, horizon=horizon,
+                 speeds=speeds)
 
 
 def make_replay(run: Run, fit: CostFit, horizon: int, seed: int, traffic_source: str | None = None,
