@@ -4,7 +4,7 @@ A closed-loop cell sends its N requests through batch-size slots and is measured
 end. Target-only requests of one output length run in lockstep and finish together; speculative ones do not (each
 prompt is accepted at its own rate), so once the prompts run out the slots empty one by one and the window ends in a
 tail at smaller batches. What that tail costs depends on the cell: nothing at batch 1, most where throughput still
-grows with the batch (batch 4-8 here: 5-9% at g >= 3 on the embedded engine), little where the engine is saturated.
+grows with the batch (batch 4-8 here: 4-9% at g >= 3 on the embedded engine), little where the engine is saturated.
 A line through neighbouring batch sizes cannot know it (benchmarks/README.md, issue 12), so the model is fitted on
 steady throughput (each speculative cell's measured tok/s over its simulated share) and a predicted cell's steady
 tok/s is multiplied by its own.
