@@ -9,13 +9,7 @@ import pytest
 
 from spectune.drain import closed_loop_share, fit_steady, request_speeds
 from spectune.holdout import holdout_predictions
-from spectune.costmodel import RoundCost
-from synthetic_sweep import SYNTHETIC_PROFILES, synthetic_cells
-
-# Round cost linear in batch size, so that a held-out batch size's terms are interpolated exactly and what is left is
-# the drain's.
-LINEAR = RoundCost(batch_sizes=(1, 2, 4, 8, 16), target_ms=(3.0, 3.5, 4.5, 6.5, 10.5), draft_fixed_ms=(1.0, 1.2, 1.6, 2.4, 4.0),
-                   per_step_ms=(0.3, 0.5, 0.9, 1.7, 3.3))
+from synthetic_sweep import LINEAR_COST as LINEAR, SYNTHETIC_PROFILES, synthetic_cells
 
 
 def test_requests_in_lockstep_or_one_slot_lose_nothing_to_the_drain():

@@ -8,11 +8,7 @@ import pytest
 
 from spectune.costmodel import AcceptanceProfile, RoundCost, fit_sweep, recommend, server_factors
 from spectune.holdout import holdout_lines, holdout_predictions, holdout_report, holdout_summary, noise_floor, one_launch
-from synthetic_sweep import SYNTHETIC_PROFILES, synthetic_cells
-
-# Verify cost linear in batch size (tokens) beyond the measured range: the truth below is exactly linear in bs.
-LINEAR = RoundCost(batch_sizes=(1, 2, 4, 8, 16), target_ms=(3.0, 3.5, 4.5, 6.5, 10.5), draft_fixed_ms=(1.0, 1.2, 1.6, 2.4, 4.0),
-                   per_step_ms=(0.3, 0.5, 0.9, 1.7, 3.3))
+from synthetic_sweep import LINEAR_COST as LINEAR, SYNTHETIC_PROFILES, synthetic_cells
 
 
 def test_exact_cells_are_predicted_exactly_out_of_sample():
