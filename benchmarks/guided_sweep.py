@@ -22,6 +22,7 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spectune.costmodel import parse_gammas  # noqa: E402
+from spectune.drain import request_speeds  # noqa: E402
 from spectune.guided import best_measured, guide, plan_grid  # noqa: E402
 from spectune.plan import plan_from_dict  # noqa: E402
 from spectune.store import load_run  # noqa: E402
@@ -48,12 +49,14 @@ def main() -> None:
     ap.add_argument("--seeds", default="0-9")
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--grid-seconds", type=float, help="the grid's measuring wall time, where run.json's span includes a resume")
+    ap.add_argument("--without-drain", action="store_true", help="replay with the model before spectune.drain (no requests' speeds)")
     args = ap.parse_args()
 
     run = load_run(args.grid)
     plan = plan_from_dict(run.manifest["plan"], source=str(args.grid / "run.json"))
     grid = plan_grid(plan)
     cells = run.cells
+    speeds = {} if args.without_drain else request_speeds(run.requests)
     grid_s = args.grid_seconds or sweep_seconds(run.manifest)
     print(f"grid: {len(grid)} (server, batch size) cells x {plan.repeats} repeats, {grid_s:.0f} s wall")
 
@@ -64,7 +67,7 @@ def main() -> None:
         def measure(pairs):
             chosen.update(pairs)
             keep = cells.apply(lambda r: (r["server"], int(r["batch_size"])) in chosen, axis=1)
-            return cells[keep]
+            return cells[keep], {c: speeds[c] for c in cells[keep]["cell"] if c in speeds}
 
         result = guide(grid, measure, args.budget, seed, log=lambda _: None)
         g = gaps(result.recommendation, cells)

@@ -8,7 +8,8 @@ one cell per batch size a round instead left a 2.9% mean gap to the grid's best 
 its interval (the acceptance's 95% interval, widened by MODEL_MARGIN for the cost model's own error), exceeds the
 best measured at that batch size. The sweep stops when no cell can (the recommendation per batch size is stable) or
 the budget is spent. A cell here is one (server, batch size) with all the plan's repeats; the budget is a share of
-the plan's (server, batch size) pairs.
+the plan's (server, batch size) pairs. Predictions are fitted and scaled as `spectune tune`'s held-out check does:
+on steady throughput, each predicted closed-loop cell times its drain (spectune.drain).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from spectune.costmodel import fit_sweep, split_failed
+from spectune.costmodel import split_failed
+from spectune.drain import Speeds, fit_steady, predicted_share, request_speeds
 from spectune.errors import SpectuneError
 
 # The cost model's own error allowance: held-out prediction error on the embedded engine is of this order
@@ -58,17 +60,21 @@ def seed_pairs(grid: pd.DataFrame, seed: int) -> list[tuple[str, int]]:
     return list(dict.fromkeys(pairs))
 
 
-def predict_unmeasured(cells: pd.DataFrame, grid: pd.DataFrame, measured: set[tuple[str, int]]) -> pd.DataFrame:
+def predict_unmeasured(cells: pd.DataFrame, grid: pd.DataFrame, measured: set[tuple[str, int]], speeds: Speeds | None = None) -> pd.DataFrame:
     """Predicted output tokens/s (and its high end) of every unmeasured speculative (server, batch size) whose method
-    can be fitted from `cells`; target-only's measured ms per token at that batch size anchors g = 0."""
+    can be fitted from `cells`; target-only's measured ms per token at that batch size anchors g = 0. With the measured
+    requests' speeds (spectune.drain.request_speeds) the fit is on steady throughput and each prediction is scaled by
+    its cell's drain, sending target-only's number of requests at that batch size."""
+    speeds = speeds or {}
     usable, _ = split_failed(cells)
     target = usable[~usable["is_speculative"].astype(bool)]
     base = (1000.0 * target["batch_size"] / target["output_throughput_tps"]).groupby(target["batch_size"]).mean()
+    requests = target.groupby("batch_size")["num_requests"].max() if "num_requests" in target else pd.Series(dtype=float)
     rows = []
     todo = grid[grid["method"].notna() & ~grid.apply(lambda r: (r["server"], int(r["batch_size"])) in measured, axis=1)]
     for method, group in todo.groupby("method"):
         try:
-            fit = fit_sweep(usable, method=method)
+            fit, _ = fit_steady(usable, speeds, method=method)
         except SpectuneError:
             continue  # nothing measured for it yet
         workloads = usable["workload"].dropna().unique()
@@ -82,6 +88,8 @@ def predict_unmeasured(cells: pd.DataFrame, grid: pd.DataFrame, measured: set[tu
             high_tokens = profile.expected_tokens_interval(g)[1]
             ms = fit.cost.ms_per_token(r.batch_size, g, tokens) + (float(base[r.batch_size]) - fit.cost.t_round(r.batch_size, 0)) / tokens
             tps = 1000.0 * r.batch_size / ms
+            if speeds and r.batch_size in requests.index:
+                tps *= predicted_share(fit, usable, speeds, int(r.batch_size), g, int(requests[r.batch_size]))
             rows.append({"server": r.server, "batch_size": int(r.batch_size), "predicted_tps": tps,
                          "predicted_tps_high": tps * high_tokens / tokens * (1.0 + MODEL_MARGIN)})
     return pd.DataFrame(rows, columns=["server", "batch_size", "predicted_tps", "predicted_tps_high"])
@@ -94,12 +102,13 @@ def best_measured(cells: pd.DataFrame) -> pd.DataFrame:
     return mean.loc[mean.groupby("batch_size")["output_throughput_tps"].idxmax()].reset_index(drop=True)
 
 
-def next_pairs(cells: pd.DataFrame, grid: pd.DataFrame, measured: set[tuple[str, int]], limit: int) -> list[tuple[str, int]]:
+def next_pairs(cells: pd.DataFrame, grid: pd.DataFrame, measured: set[tuple[str, int]], limit: int,
+               speeds: Speeds | None = None) -> list[tuple[str, int]]:
     """Up to `limit` cells to measure next, at most one per batch size: those whose predicted high end beats the best
     measured at their batch size, the largest ratio first. Empty: the recommendation is stable."""
     if limit <= 0:
         return []
-    predicted = predict_unmeasured(cells, grid, measured)
+    predicted = predict_unmeasured(cells, grid, measured, speeds)
     best = best_measured(cells).set_index("batch_size")["output_throughput_tps"]
     predicted = predicted[predicted["batch_size"].isin(best.index)]
     predicted = predicted.assign(ratio=predicted["predicted_tps_high"] / predicted["batch_size"].map(best))
@@ -107,10 +116,13 @@ def next_pairs(cells: pd.DataFrame, grid: pd.DataFrame, measured: set[tuple[str,
     return [(s, int(b)) for s, b in hopeful[["server", "batch_size"]].itertuples(index=False)][:limit]
 
 
-def guide(grid: pd.DataFrame, measure: Callable[[list[tuple[str, int]]], pd.DataFrame], budget: float, seed: int = 0,
-          log: Callable[[str], None] = print) -> GuidedResult:
+Measure = Callable[[list[tuple[str, int]]], "tuple[pd.DataFrame, Speeds] | None"]
+
+
+def guide(grid: pd.DataFrame, measure: Measure, budget: float, seed: int = 0, log: Callable[[str], None] = print) -> GuidedResult:
     """Run the guided loop. `measure(pairs)` measures those (server, batch size) pairs and returns every cell measured
-    so far (spectune.store's cell rows); it returns None when interrupted, which ends the loop."""
+    so far (spectune.store's cell rows) and their requests' speeds (spectune.drain.request_speeds; empty: no drain);
+    it returns None when interrupted, which ends the loop."""
     if not 0.0 < budget <= 1.0:
         raise SpectuneError(f"budget {budget}: must be a share of the plan's cells in (0, 1], e.g. 0.25")
     total = len(grid)
@@ -118,20 +130,20 @@ def guide(grid: pd.DataFrame, measure: Callable[[list[tuple[str, int]]], pd.Data
     seeds = seed_pairs(grid, seed)[:limit]
     log(f"guided sweep: {len(seeds)} seed cells, then the model's choices; budget {limit} of {total} (server, batch size) cells")
     measured: list[tuple[str, int]] = list(seeds)
-    cells = measure(seeds)
+    done = measure(seeds)
     rounds, stopped = 0, "budget"
-    while cells is not None:
-        chosen = next_pairs(cells, grid, set(measured), min(1, limit - len(measured)))
+    while done is not None:
+        chosen = next_pairs(done[0], grid, set(measured), min(1, limit - len(measured)), done[1])
         if not chosen:
             stopped = "stable" if len(measured) < limit else "budget"
             break
         rounds += 1
         log(f"guided round {rounds}: measuring {', '.join(f'{s} at batch {b}' for s, b in chosen)}")
         measured += chosen
-        cells = measure(chosen)
+        done = measure(chosen)
     result = GuidedResult(measured, rounds, stopped, limit, total)
-    if cells is not None:
-        result.recommendation = best_measured(cells)
+    if done is not None:
+        result.recommendation = best_measured(done[0])
         log(f"guided sweep {stopped}: {len(measured)} of {total} cells measured ({len(measured) / total:.0%}), {rounds} guided rounds")
     return result
 
@@ -158,14 +170,15 @@ def run_guided(plan, root, *, budget: float, resume: bool = False, seed: int = 0
     total = SweepOutcome(root=root, done=0, failed=0, skipped=0, interrupted=False)
     say = progress.message if progress is not None else print
 
-    def measure(pairs: list[tuple[str, int]]) -> pd.DataFrame | None:
+    def measure(pairs: list[tuple[str, int]]) -> tuple[pd.DataFrame, Speeds] | None:
         ids = {cell_id(s, b, r) for s, b in pairs for r in range(plan.repeats)}
         outcome = run_sweep(plan, root, resume=resume or (root / "run.json").exists(), progress=progress, only=ids)
         total.done, total.failed, total.skipped = total.done + outcome.done, total.failed + outcome.failed, total.skipped + outcome.skipped
         if outcome.interrupted:
             total.interrupted = True
             return None
-        return load_run(root).cells
+        run = load_run(root)
+        return run.cells, request_speeds(run.requests)
 
     result = guide(plan_grid(plan), measure, budget, seed, log=say)
     store = RunStore.open(root)

@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from spectune.drain import closed_loop_share, fit_steady, request_speeds
+from spectune.guided import predict_unmeasured
 from spectune.holdout import holdout_predictions
 from synthetic_sweep import LINEAR_COST as LINEAR, SYNTHETIC_PROFILES, synthetic_cells
 
@@ -63,3 +64,20 @@ def test_a_held_out_batch_size_is_predicted_with_its_own_drain():
     inside = lambda p: p[(p["holdout"] == "batch_size") & ~p["extrapolated"]]["throughput_abs_pct_error"]
     assert inside(with_drain).max() < 0.5  # the drain of batch 2, 4 and 8 simulated, not interpolated
     assert inside(without).mean() > 3 * inside(with_drain).mean()
+
+
+def test_the_guided_sweeps_predictions_of_unmeasured_cells_carry_their_drain():
+    cells, speeds = drained_cells()
+    spec = cells["is_speculative"].astype(bool)
+    grid = cells.drop_duplicates(["server", "batch_size"])[["server", "method", "num_speculative_tokens", "batch_size"]]
+    grid = grid.rename(columns={"num_speculative_tokens": "g"}).assign(method=lambda d: d["method"].where(d["g"] > 0, None))
+    held = spec & (cells["batch_size"] == 4)  # batch 4's speculative cells not measured: its drain is not interpolated
+    measured = cells[~held]
+    pairs = set(zip(measured["server"], measured["batch_size"].astype(int)))
+    truth = cells[held].set_index("server")["output_throughput_tps"]
+    error = lambda p: ((p.set_index("server")["predicted_tps"] - truth) / truth).abs()
+    with_drain = predict_unmeasured(measured, grid, pairs, {c: s for c, s in speeds.items() if c in set(measured["cell"])})
+    without = predict_unmeasured(measured, grid, pairs)
+    assert set(with_drain["batch_size"]) == {4} and len(with_drain) == held.sum()
+    assert error(with_drain).max() < 0.005
+    assert error(without).mean() > 3 * error(with_drain).mean()

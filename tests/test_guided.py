@@ -29,7 +29,7 @@ def _replay(cells: pd.DataFrame):
 
     def measure(pairs):
         chosen.update(pairs)
-        return cells[[(s, int(b)) in chosen for s, b in zip(cells["server"], cells["batch_size"])]]
+        return cells[[(s, int(b)) in chosen for s, b in zip(cells["server"], cells["batch_size"])]], {}  # no requests: no drain
 
     return measure
 
@@ -61,7 +61,7 @@ def test_guided_stops_at_the_budget_and_never_beyond(cells, grid):
 
 def test_next_cells_are_the_ones_predicted_to_beat_the_measured_best(cells, grid):
     seeds = seed_pairs(grid, seed=0)
-    measured = _replay(cells)(seeds)
+    measured, _ = _replay(cells)(seeds)
     chosen = next_pairs(measured, grid, set(seeds), limit=len(grid))
     assert chosen and len({b for _, b in chosen}) == len(chosen)  # at most one per batch size
     best = best_measured(measured).set_index("batch_size")["output_throughput_tps"]
@@ -87,3 +87,50 @@ def test_plan_key_budget_is_read_and_checked(tmp_path):
     (tmp_path / "c.toml").write_text("budget = 1.5\n" + text)
     with pytest.raises(SpectuneError, match=r"c.toml: budget = 1.5: must be a share"):
         load_plan(tmp_path / "c.toml")
+
+
+GUIDED_PLAN = """
+name = "guided"
+workload = "code"
+batch_sizes = [1, 2, 4]
+repeats = 1
+max_tokens = 8
+prompts_per_slot = 1
+min_prompts = 2
+warmup_per_slot = 0
+budget = 0.75
+
+[[servers]]
+name = "target"
+engine = "embedded"
+
+[[servers]]
+name = "ngram"
+engine = "embedded"
+method = "ngram"
+num_speculative_tokens = [1, 2, 3]
+prompt_lookup_min = 1
+prompt_lookup_max = 2
+"""
+
+
+def test_a_guided_sweep_on_the_embedded_engine_measures_only_the_cells_it_chose(tmp_path, spectune_cmd):
+    import json
+    import subprocess
+
+    from spectune.store import load_run
+
+    plan = tmp_path / "guided.toml"
+    plan.write_text(GUIDED_PLAN)
+    out = tmp_path / "run"
+    done = subprocess.run([*spectune_cmd, "sweep", str(plan), "--no-tune", "--no-report", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    guided = json.loads((out / "run.json").read_text())["guided"]
+    assert guided["total_cells"] == 12 and guided["budget_cells"] == 9  # 4 servers x 3 batch sizes, 75% of them
+    measured = {(s, b) for s, b in guided["measured"]}
+    assert 6 < len(measured) <= 9 and guided["stopped"] in ("stable", "budget")  # 6 seeds, then the model's choices
+    assert {("target", b) for b in (1, 2, 4)} <= measured
+    cells = load_run(out).cells
+    assert set(zip(cells["server"], cells["batch_size"].astype(int))) == measured  # nothing else measured
+    assert (cells["status"] == "ok").all() and guided["rounds"] == len(measured) - 6
