@@ -36,6 +36,30 @@ prompt_lookup_min = 1
 prompt_lookup_max = 3
 """
 
+# target-only and n-gram at g = 2, batch 1 and 2, 8 tokens: four cells of a few seconds
+TINY_NGRAM_PLAN = """
+name = "tiny"
+workload = "code"
+batch_sizes = [1, 2]
+repeats = 1
+max_tokens = 8
+prompts_per_slot = 1
+min_prompts = 2
+warmup_per_slot = 0
+
+[[servers]]
+name = "target"
+engine = "embedded"
+
+[[servers]]
+name = "ngram"
+engine = "embedded"
+method = "ngram"
+num_speculative_tokens = [2]
+prompt_lookup_min = 1
+prompt_lookup_max = 2
+"""
+
 
 def write_plan(tmp_path: Path, text: str = SMALL_PLAN) -> Path:
     path = tmp_path / "plan.toml"

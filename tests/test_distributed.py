@@ -20,30 +20,8 @@ from spectune.plan import load_plan
 from spectune.search import storage_for
 from spectune.store import load_run
 from spectune.sweep import plan_cells
+from sweep_helpers import TINY_NGRAM_PLAN as PLAN
 from test_tune import postgres_url  # noqa: F401  (the fixture: a throw-away PostgreSQL server)
-
-PLAN = """
-name = "shared"
-workload = "code"
-batch_sizes = [1, 2]
-repeats = 1
-max_tokens = 8
-prompts_per_slot = 1
-min_prompts = 2
-warmup_per_slot = 0
-
-[[servers]]
-name = "target"
-engine = "embedded"
-
-[[servers]]
-name = "ngram"
-engine = "embedded"
-method = "ngram"
-num_speculative_tokens = [2]
-prompt_lookup_min = 1
-prompt_lookup_max = 2
-"""
 
 
 def _worker(spectune_cmd, plan: Path, url: str, scratch: Path) -> subprocess.Popen:

@@ -8,6 +8,7 @@ import pytest
 
 from spectune.errors import SpectuneError
 from spectune.guided import best_measured, guide, next_pairs, seed_pairs
+from sweep_helpers import TINY_NGRAM_PLAN
 from synthetic_sweep import SYNTHETIC_PROFILES, synthetic_cells
 
 
@@ -89,29 +90,9 @@ def test_plan_key_budget_is_read_and_checked(tmp_path):
         load_plan(tmp_path / "c.toml")
 
 
-GUIDED_PLAN = """
-name = "guided"
-workload = "code"
-batch_sizes = [1, 2, 4]
-repeats = 1
-max_tokens = 8
-prompts_per_slot = 1
-min_prompts = 2
-warmup_per_slot = 0
-budget = 0.75
-
-[[servers]]
-name = "target"
-engine = "embedded"
-
-[[servers]]
-name = "ngram"
-engine = "embedded"
-method = "ngram"
-num_speculative_tokens = [1, 2, 3]
-prompt_lookup_min = 1
-prompt_lookup_max = 2
-"""
+# the tiny plan at three batch sizes and three step counts: 12 (server, batch size) cells, 9 of them in the budget
+GUIDED_PLAN = TINY_NGRAM_PLAN.replace("batch_sizes = [1, 2]", "batch_sizes = [1, 2, 4]\nbudget = 0.75").replace(
+    "num_speculative_tokens = [2]", "num_speculative_tokens = [1, 2, 3]")
 
 
 def test_a_guided_sweep_on_the_embedded_engine_measures_only_the_cells_it_chose(tmp_path, spectune_cmd):

@@ -17,27 +17,10 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+from sweep_helpers import TINY_NGRAM_PLAN
+
 REPO = Path(__file__).resolve().parent.parent
-PLAN = """
-name = "installed"
-workload = "quote"
-batch_sizes = [1, 2]
-repeats = 1
-max_tokens = 8
-prompts_per_slot = 1
-min_prompts = 2
-warmup_per_slot = 0
-
-[[servers]]
-name = "target"
-
-[[servers]]
-name = "ngram"
-method = "ngram"
-num_speculative_tokens = 2
-prompt_lookup_min = 1
-prompt_lookup_max = 3
-"""
+PLAN = TINY_NGRAM_PLAN.replace('name = "tiny"', 'name = "installed"')
 
 
 def _run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
