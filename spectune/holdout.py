@@ -24,6 +24,7 @@ model predicts a cell closer than its measured mean is known.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
@@ -71,13 +72,8 @@ def holdout_predictions(cells: pd.DataFrame, speeds: Speeds | None = None) -> pd
                     fit, steady = fit_steady(train, speeds, engine=engine, method=method)
                 except SpectuneError:
                     continue  # too little left to fit (e.g. no target-only at any remaining batch size)
-                for r in _predict(fit, steady, usable, held, holdout):
-                    if speeds:
-                        at = held[(held["server"] == r["server"]) & (held["batch_size"] == r["batch_size"])]
-                        share = predicted_share(fit, train, speeds, r["batch_size"], r["g"], int(at["num_requests"].max()))
-                        for m in ("throughput", "speedup"):
-                            r[f"predicted_{m}"] *= share
-                            r[f"{m}_abs_pct_error"] = 100.0 * abs(r[f"predicted_{m}"] - r[f"measured_{m}"]) / r[f"measured_{m}"]
+                drain = (lambda bs, g, n: predicted_share(fit, train, speeds, bs, g, n)) if speeds else None
+                for r in _predict(fit, steady, usable, held, holdout, drain):
                     rows.append({**r, "extrapolated": value in (values[0], values[-1])})
     return pd.DataFrame(rows)
 
@@ -167,14 +163,18 @@ def holdout_lines(report: dict[str, object]) -> list[str]:
     return lines
 
 
-def _predict(fit: CostFit, train: pd.DataFrame, usable: pd.DataFrame, held: pd.DataFrame, holdout: str) -> list[dict]:
+def _predict(fit: CostFit, train: pd.DataFrame, usable: pd.DataFrame, held: pd.DataFrame, holdout: str,
+             drain: Callable[[int, int, int], float] | None = None) -> list[dict]:
+    """drain(batch size, g, requests): the share of steady tok/s a held-out cell's window keeps (None: all of it)."""
     target = usable[~usable["is_speculative"].astype(bool) & (usable["engine"] == fit.engine)]
     base = target.assign(ms=ms_per_token(target)).groupby(["workload", "batch_size"])["ms"].mean()
     spec_train = train[train["is_speculative"].astype(bool) & (train["engine"] == fit.engine) & (train["method"] == fit.method)]
     tpot_share = _tpot_share(spec_train)
     factors = server_factors(fit, train)  # what the held-out cell's server measured at other batch sizes, if any
-    measured = held.assign(ms=ms_per_token(held)).groupby(["workload", "server", "batch_size", "num_speculative_tokens"])[
-        ["ms", "output_throughput_tps", "tpot_ms_mean"]].mean()
+    measured = held.assign(ms=ms_per_token(held), requests=held.get("num_requests", np.nan)).groupby(
+        ["workload", "server", "batch_size", "num_speculative_tokens"]).agg(
+        ms=("ms", "mean"), output_throughput_tps=("output_throughput_tps", "mean"), tpot_ms_mean=("tpot_ms_mean", "mean"),
+        num_requests=("requests", "max"))
     rows = []
     for (workload, server, bs, g), m in measured.iterrows():
         if (workload, bs) not in base.index:
@@ -183,8 +183,9 @@ def _predict(fit: CostFit, train: pd.DataFrame, usable: pd.DataFrame, held: pd.D
         tokens = fit.profile(workload, bs).expected_tokens(int(g))
         ms = (fit.cost.ms_per_token(bs, g, tokens) + (t0 - fit.cost.t_round(bs, 0)) / tokens) * float(factors.get(server, 1.0))
         share = np.interp(np.log2(bs), np.log2(tpot_share.index.to_numpy(float)), tpot_share.to_numpy())  # batch sizes go in powers
+        drained = drain(int(bs), int(g), int(m["num_requests"])) if drain is not None else 1.0
         predicted = {"tpot": ms * float(share),
-                     "throughput": 1000.0 * bs / ms, "speedup": t0 / ms}
+                     "throughput": 1000.0 * bs / ms * drained, "speedup": t0 / ms * drained}
         actual = {"tpot": m["tpot_ms_mean"], "throughput": m["output_throughput_tps"], "speedup": t0 / m["ms"]}
         row = {"holdout": holdout, "engine": fit.engine, "method": fit.method, "workload": workload, "server": server,
                "batch_size": int(bs), "g": int(g)}
