@@ -1,6 +1,7 @@
 """Guided sweep vs the full grid (issue 12), and the cost model's held-out error.
 
     python benchmarks/guided_sweep.py GRID_RESULTS [--guided GUIDED_RESULTS ...] [--seeds 0-9] [--budget 0.25]
+        [--truth GRID_RESULTS GRID_RESULTS ...]
 
 GRID_RESULTS is a full sweep of a plan (e.g. configs/predict-grid.toml). For each seed the guided loop
 (spectune.guided.guide) is replayed on the grid: "measuring" a cell selects the grid's already-measured rows for it,
@@ -8,6 +9,12 @@ so every seed costs nothing but the fits. Each --guided directory is a real `spe
 cells and wall time are its own, its pick per batch size is scored by the grid's measurement of that cell.
 
 Gap: per batch size, 1 - grid tok/s of the guided pick / grid tok/s of the grid's best cell (0 = same cell or a tie).
+
+--truth: several full grids of the same plan, measured at other times. Picks are then also scored by the mean of
+those grids (what a cell gives on this host, not what one launch of it measured), and two more tables say how far
+measurement noise alone takes a pick: each grid's own picks scored by the mean of the others, and, per seed, the
+full grid and the guided loop replayed with each cell's rows drawn from one of the grids at random (a cell measured
+in a launch of its own at another moment, as a real guided sweep's rounds are), both scored by the mean of all.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import datetime as dt
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -30,10 +38,51 @@ from spectune.store import load_run  # noqa: E402
 
 def gaps(picks: pd.DataFrame, grid_cells: pd.DataFrame) -> pd.Series:
     """Per batch size: 1 - grid tok/s of the picked server / the grid's best."""
-    mean = grid_cells[grid_cells["status"] == "ok"].groupby(["batch_size", "server"])["output_throughput_tps"].mean()
-    best = mean.groupby(level=0).max()
-    picked = pd.Series({int(r.batch_size): mean.get((r.batch_size, r.server), float("nan")) for r in picks.itertuples()})
+    return truth_gaps(picks, mean_tps(grid_cells))
+
+
+def mean_tps(cells: pd.DataFrame) -> pd.Series:
+    """Mean output tokens/s per (batch size, server) over a run's successful cells."""
+    return cells[cells["status"] == "ok"].groupby(["batch_size", "server"])["output_throughput_tps"].mean()
+
+
+def truth_gaps(picks: pd.DataFrame, truth: pd.Series) -> pd.Series:
+    """gaps() against a (batch size, server) -> tok/s series, e.g. the mean of several grids."""
+    best = truth.groupby(level=0).max()
+    picked = pd.Series({int(r.batch_size): truth.get((r.batch_size, r.server), float("nan")) for r in picks.itertuples()})
     return 1.0 - picked / best.reindex(picked.index)
+
+
+def noise_table(runs: list, grid: pd.DataFrame, seeds: list[int], budget: float) -> pd.DataFrame:
+    """Per seed: the full grid and the guided loop on cells drawn at random from the runs (one run per (server,
+    batch size), all repeats from it), picks scored by the mean of all the runs."""
+    truth = pd.concat([mean_tps(r.cells) for r in runs], axis=1).mean(axis=1)
+    speeds = [request_speeds(r.requests) for r in runs]
+    rows = []
+    for seed in seeds:
+        rng = np.random.default_rng(1000 + seed)
+        source = {(s, int(b)): int(rng.integers(len(runs))) for s, b in grid[["server", "batch_size"]].itertuples(index=False)}
+
+        def rows_of(pairs):
+            drawn, drawn_speeds = [], {}
+            for server, bs in pairs:
+                k = source[(server, bs)]
+                cells = runs[k].cells[(runs[k].cells["server"] == server) & (runs[k].cells["batch_size"] == bs)]
+                drawn.append(cells)
+                drawn_speeds |= {c: speeds[k][c] for c in cells["cell"] if c in speeds[k]}
+            return pd.concat(drawn, ignore_index=True), drawn_speeds
+
+        full = truth_gaps(best_measured(rows_of(list(source))[0]), truth)
+        chosen: list[tuple[str, int]] = []
+
+        def measure(pairs):
+            chosen.extend(pairs)
+            return rows_of(chosen)
+
+        guided = truth_gaps(guide(grid, measure, budget, seed, log=lambda _: None).recommendation, truth)
+        rows.append({"seed": seed, "grid_mean_gap": full.mean(), "grid_max_gap": full.max(),
+                     "guided_mean_gap": guided.mean(), "guided_max_gap": guided.max(), "guided_cells": len(chosen)})
+    return pd.DataFrame(rows)
 
 
 def sweep_seconds(manifest: dict) -> float:
@@ -49,6 +98,8 @@ def main() -> None:
     ap.add_argument("--seeds", default="0-9")
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--grid-seconds", type=float, help="the grid's measuring wall time, where run.json's span includes a resume")
+    ap.add_argument("--truth", type=Path, nargs="*", default=[], help="full grids of the same plan at other times (GRID "
+                    "included or not): also score by their mean, and replay with each cell drawn from one of them")
     ap.add_argument("--without-drain", action="store_true", help="replay with the model before spectune.drain (no requests' speeds)")
     args = ap.parse_args()
 
@@ -90,6 +141,25 @@ def main() -> None:
     replay = table[table["run"].str.startswith("replay")]
     print(f"replays: {len(replay)} seeds, cells {replay['cells'].min()}-{replay['cells'].max()}, mean gap {replay['mean_gap'].mean():.2%}, "
           f"worst max gap {replay['max_gap'].max():.2%}")
+    if not args.truth:
+        return
+    grids = {p: load_run(p) for p in dict.fromkeys([args.grid, *args.truth])}
+    truth = pd.concat([mean_tps(r.cells) for r in grids.values()], axis=1).mean(axis=1)
+    print(f"\nscored by the mean of {len(grids)} grids ({', '.join(p.name for p in grids)}): mean gap / max gap")
+    for path, r in grids.items():
+        others = pd.concat([mean_tps(o.cells) for p, o in grids.items() if p != path], axis=1).mean(axis=1)
+        g = truth_gaps(best_measured(r.cells), others)
+        print(f"| grid {path.name}, its picks scored by the mean of the others | {g.mean():.2%} | {g.max():.2%} |")
+    for path in args.guided:
+        g = truth_gaps(best_measured(load_run(path).cells), truth)
+        print(f"| measured {path.name} | {g.mean():.2%} | {g.max():.2%} |")
+    noisy = noise_table(list(grids.values()), grid, parse_gammas(args.seeds), args.budget)
+    print(f"\neach cell drawn from one of the {len(grids)} grids at random, per seed, scored by their mean:")
+    print(f"| full grid | mean gap {noisy['grid_mean_gap'].mean():.2%} ({noisy['grid_mean_gap'].min():.2%}-{noisy['grid_mean_gap'].max():.2%} by seed) "
+          f"| worst max gap {noisy['grid_max_gap'].max():.2%} |")
+    print(f"| guided, budget {args.budget:g} | mean gap {noisy['guided_mean_gap'].mean():.2%} ({noisy['guided_mean_gap'].min():.2%}-"
+          f"{noisy['guided_mean_gap'].max():.2%}) | worst max gap {noisy['guided_max_gap'].max():.2%} | cells {noisy['guided_cells'].min()}-"
+          f"{noisy['guided_cells'].max()} |")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """Held-out prediction error of the cost model on a results directory, before and after the model terms of issue 12.
 
-    python benchmarks/holdout_error.py RESULTS [RESULTS ...] [--repeats 1,2,3]
+    python benchmarks/holdout_error.py RESULTS [RESULTS ...] [--repeats 1,2,3] [--pool]
 
 --repeats uses only those repeats of each cell (numbered from 0): on a run measured with more, the same cells averaged
 over fewer, or without a repeat that other work disturbed.
+
+--pool treats the results directories (runs of one plan, e.g. at three times of a day) as one run whose repeats are
+all of theirs: each cell's mean is then over every launch of it, and a cell is held out of all of them at once.
 
 Two results directories of the same plan in a row also give the relaunch noise: how far a cell measured in one run is
 from the same cell in the other, every server launched again (the floor for cells predicted from other launches).
@@ -120,6 +123,20 @@ def relaunch_noise(a: pd.DataFrame, b: pd.DataFrame) -> tuple[float, float]:
     return float(half.mean()), float(half.max())
 
 
+def pooled(runs: list) -> tuple[pd.DataFrame, dict[str, np.ndarray]]:
+    """The cells of several runs of one plan as one run's (repeats renumbered run after run, cell ids prefixed with
+    the run's index so that no two collide) and their requests' speeds (spectune.drain.request_speeds)."""
+    from spectune.drain import request_speeds
+
+    cells, speeds, offset = [], {}, 0
+    for k, run in enumerate(runs):
+        c = run.cells.assign(repeat=run.cells["repeat"] + offset, cell=f"run{k}:" + run.cells["cell"])
+        offset = int(c["repeat"].max()) + 1
+        cells.append(c)
+        speeds |= {f"run{k}:{cell}": v for cell, v in request_speeds(run.requests).items()}
+    return pd.concat(cells, ignore_index=True), speeds
+
+
 def main() -> None:
     import argparse
 
@@ -130,10 +147,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path)
     parser.add_argument("--repeats", default=None, help="use only these repeats of each cell, e.g. 1,2,3 (numbered from 0)")
+    parser.add_argument("--pool", action="store_true", help="the results directories (runs of one plan) as one run")
     args = parser.parse_args()
-    for path in args.results:
-        run = load_run(path)
-        cells, speeds = run.cells, drain.request_speeds(run.requests)
+    runs = [load_run(path) for path in args.results]
+    if args.pool:
+        sets = [(" + ".join(str(p) for p in args.results), *pooled(runs))]
+    else:
+        sets = [(str(path), run.cells, drain.request_speeds(run.requests)) for path, run in zip(args.results, runs)]
+    for path, cells, speeds in sets:
         if args.repeats is not None:
             cells = cells[cells["repeat"].isin([int(r) for r in args.repeats.split(",")])]
             print(f"\n{path}: repeats {args.repeats} of each cell")
@@ -160,7 +181,6 @@ def main() -> None:
                 print(f"| {name} | {r.holdout} | {r.method} | {r.cells} | {r.tpot_mean_abs_pct:.1f} / {r.tpot_max_abs_pct:.1f} | "
                       f"{r.throughput_mean_abs_pct:.1f} / {r.throughput_max_abs_pct:.1f} | {r.speedup_mean_abs_pct:.1f} / {r.speedup_max_abs_pct:.1f} |")
 
-    runs = [load_run(path) for path in args.results]
     for (pa, a), (pb, b) in zip(zip(args.results, runs), zip(args.results[1:], runs[1:])):
         if a.manifest.get("plan", {}).get("name") == b.manifest.get("plan", {}).get("name"):
             mean, worst = relaunch_noise(a.cells, b.cells)
