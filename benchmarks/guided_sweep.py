@@ -53,10 +53,9 @@ def truth_gaps(picks: pd.DataFrame, truth: pd.Series) -> pd.Series:
     return 1.0 - picked / best.reindex(picked.index)
 
 
-def noise_table(runs: list, grid: pd.DataFrame, seeds: list[int], budget: float) -> pd.DataFrame:
+def noise_table(runs: list, truth: pd.Series, grid: pd.DataFrame, seeds: list[int], budget: float) -> pd.DataFrame:
     """Per seed: the full grid and the guided loop on cells drawn at random from the runs (one run per (server,
-    batch size), all repeats from it), picks scored by the mean of all the runs."""
-    truth = pd.concat([mean_tps(r.cells) for r in runs], axis=1).mean(axis=1)
+    batch size), all repeats from it), picks scored by `truth` (the mean of all the runs)."""
     speeds = [request_speeds(r.requests) for r in runs]
     rows = []
     for seed in seeds:
@@ -143,17 +142,18 @@ def main() -> None:
           f"worst max gap {replay['max_gap'].max():.2%}")
     if not args.truth:
         return
-    grids = {p: load_run(p) for p in dict.fromkeys([args.grid, *args.truth])}
-    truth = pd.concat([mean_tps(r.cells) for r in grids.values()], axis=1).mean(axis=1)
+    grids = {args.grid: run} | {p: load_run(p) for p in args.truth if p != args.grid}
+    means = {p: mean_tps(r.cells) for p, r in grids.items()}
+    truth = pd.concat(means.values(), axis=1).mean(axis=1)
     print(f"\nscored by the mean of {len(grids)} grids ({', '.join(p.name for p in grids)}): mean gap / max gap")
     for path, r in grids.items():
-        others = pd.concat([mean_tps(o.cells) for p, o in grids.items() if p != path], axis=1).mean(axis=1)
+        others = pd.concat([m for p, m in means.items() if p != path], axis=1).mean(axis=1)
         g = truth_gaps(best_measured(r.cells), others)
         print(f"| grid {path.name}, its picks scored by the mean of the others | {g.mean():.2%} | {g.max():.2%} |")
     for path in args.guided:
         g = truth_gaps(best_measured(load_run(path).cells), truth)
         print(f"| measured {path.name} | {g.mean():.2%} | {g.max():.2%} |")
-    noisy = noise_table(list(grids.values()), grid, parse_gammas(args.seeds), args.budget)
+    noisy = noise_table(list(grids.values()), truth, grid, parse_gammas(args.seeds), args.budget)
     print(f"\neach cell drawn from one of the {len(grids)} grids at random, per seed, scored by their mean:")
     print(f"| full grid | mean gap {noisy['grid_mean_gap'].mean():.2%} ({noisy['grid_mean_gap'].min():.2%}-{noisy['grid_mean_gap'].max():.2%} by seed) "
           f"| worst max gap {noisy['grid_max_gap'].max():.2%} |")
