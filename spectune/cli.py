@@ -164,7 +164,8 @@ def sweep(
     resume: Optional[Path] = typer.Option(None, help="Continue the run in this results directory (same plan)."),
     workload: Optional[str] = typer.Option(None, help="Override the plan's workload: code, quote, random, phase, or a file."),
     batch_sizes: Optional[str] = typer.Option(None, help="Override batch sizes (closed-loop concurrency), e.g. 1,4,16."),
-    repeats: Optional[int] = typer.Option(None, help="Override repeats per cell."),
+    repeats: Optional[int] = typer.Option(None, help="Override repeats per cell; with --resume, more repeats than the run's are "
+                                           "added to it (measured on fresh launches of every server)."),
     max_tokens: Optional[int] = typer.Option(None, help="Override output tokens per request."),
     no_tune: bool = typer.Option(False, "--no-tune", help="Stop after measuring (no configs; spectune tune RESULTS does it later)."),
     no_report: bool = typer.Option(False, "--no-report", help="Do not write the report (spectune report RESULTS does it later)."),

@@ -16,7 +16,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from spectune import interrupt
@@ -106,11 +106,21 @@ def new_manifest(plan: Plan, run_id: str) -> dict:
 
 
 def check_resumable(store: RunStore, plan: Plan) -> None:
+    """Raise unless `plan` is the run's, or the run's with more repeats: those are measured on fresh launches at
+    another time, so a cell's mean then spans launches (the run's plan, digest and cell count are updated)."""
     m = store.manifest
+    recorded = m.get("plan", {}).get("repeats")
+    if isinstance(recorded, int) and plan.repeats != recorded and replace(plan, repeats=recorded).digest() == m.get("plan_digest"):
+        if plan.repeats < recorded:
+            raise SpectuneError(f"{store.root / 'run.json'}: repeats = {plan.repeats} is fewer than the {recorded} this run measures; "
+                                f"resume with --repeats {recorded} or more (repeats are only added)")
+        m.setdefault("repeats_added", []).append({"at": _now(), "from": recorded, "to": plan.repeats})
+        m["plan"], m["plan_digest"] = plan_to_dict(plan), plan.digest()
+        m.setdefault("progress", {})["total"] = len(plan_cells(plan))
     if m.get("plan_digest") != plan.digest():
         raise SpectuneError(
             f"{store.root / 'run.json'}: the plan changed since this run started (plan digest differs); "
-            "resume with the same plan file and flags, or start a new run with another --out"
+            "resume with the same plan file and flags (only --repeats may grow), or start a new run with another --out"
         )
     now = traffic_digests(plan)
     if m.get("traffic_digests") != now:

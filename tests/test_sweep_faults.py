@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 
@@ -118,6 +119,29 @@ def test_resume_refuses_a_changed_plan(tmp_path, uninterrupted, spectune_cmd):
     proc = subprocess.run(sweep_cmd(str(changed), "--resume", str(uninterrupted)), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "plan changed" in proc.stderr and "run.json" in proc.stderr
+
+
+def test_resume_with_more_repeats_measures_only_them_on_fresh_launches(tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    proc = subprocess.run(sweep_cmd("--resume", str(out), "--repeats", "3"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cells = _cells_frame(out)
+    before = _cells_frame(uninterrupted)
+    pd.testing.assert_frame_equal(cells.loc[before.index], before)  # what was measured is kept as it was
+    added = cells.drop(index=before.index)
+    assert sorted(zip(added["server"], added["batch_size"], added["repeat"])) == [
+        (s, bs, 2) for s in ("ngram", "target") for bs in (1, 2)]
+    assert (added["status"] == "ok").all()
+    assert set(added["server_pid"]).isdisjoint(before["server_pid"])  # the new repeats ran on new launches
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["plan"]["repeats"] == 3 and manifest["progress"]["total"] == 12
+    assert [(a["from"], a["to"]) for a in manifest["repeats_added"]] == [(2, 3)]
+
+    fewer = subprocess.run(sweep_cmd("--resume", str(out), "--repeats", "2"), capture_output=True, text=True, timeout=120)
+    assert fewer.returncode == 2
+    assert "repeats = 2 is fewer than the 3" in fewer.stderr and "run.json" in fewer.stderr
+    pd.testing.assert_frame_equal(_cells_frame(out), cells)
 
 
 def test_server_sigkilled_mid_sweep_fails_one_cell_and_the_sweep_goes_on(tmp_path):
