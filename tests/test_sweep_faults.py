@@ -16,6 +16,8 @@ import pandas as pd
 import pytest
 
 from fault_proxy import FaultProxy
+from spectune.report.data import collect
+from spectune.report.render import header_items
 from sweep_helpers import finished_cells, server_processes, sweep_cmd, wait_for, write_plan
 
 LONG_PLAN = """
@@ -137,6 +139,9 @@ def test_resume_with_more_repeats_measures_only_them_on_fresh_launches(tmp_path,
     manifest = json.loads((out / "run.json").read_text())
     assert manifest["plan"]["repeats"] == 3 and manifest["progress"]["total"] == 12
     assert [(a["from"], a["to"]) for a in manifest["repeats_added"]] == [(2, 3)]
+    header = dict(header_items(collect(out)))  # the report says the run grew and that its time spans the pause
+    assert header["repeats"] == "3 (2 at the start, more added on resume)"
+    assert header["measured"].endswith("from start to end, resumed 1x")
 
     fewer = subprocess.run(sweep_cmd("--resume", str(out), "--repeats", "2"), capture_output=True, text=True, timeout=120)
     assert fewer.returncode == 2

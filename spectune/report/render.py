@@ -294,16 +294,24 @@ def header_items(data: ReportData) -> list[tuple[str, str]]:
     items = [
         ("workload", str(plan.get("workload", ""))),
         ("batch sizes", ", ".join(str(b) for b in plan.get("batch_sizes", []))),
-        ("repeats", str(plan.get("repeats", ""))),
+        ("repeats", _repeats(plan, m)),
         ("output tokens / request", str(plan.get("max_tokens", ""))),
         ("status", status),
         ("hardware", f"{hw.get('cpu_count', '?')} CPUs, {hw.get('memory_gb', '?')} GiB RAM, "
                      + (f"GPUs: {', '.join(map(str, gpus))}" if gpus else "no GPU")),
         ("engines", ", ".join(versions)),
-        ("measured", _when(m.get("started_at"), m.get("finished_at") or m.get("updated_at"))),
+        ("measured", _when(m.get("started_at"), m.get("finished_at") or m.get("updated_at"))
+                     + (f" from start to end, resumed {len(m['resumed_at'])}x" if m.get("resumed_at") else "")),
         ("spectune", f"{m.get('spectune_version', '')} (git {str(m.get('git_sha') or 'unknown')[:10]})"),
     ]
     return [(k, v) for k, v in items if v.strip()]
+
+
+def _repeats(plan: dict, manifest: dict) -> str:
+    """'6 (2 at the start, more added on resume)' where spectune sweep --resume --repeats added some."""
+    added = manifest.get("repeats_added") or []
+    text = str(plan.get("repeats", ""))
+    return f"{text} ({added[0].get('from')} at the start, more added on resume)" if added else text
 
 
 def _when(start: object, end: object) -> str:
