@@ -238,6 +238,20 @@ def collect(
         typer.echo(str(path))
 
 
+@app.command()
+def merge(
+    results: list[Path] = typer.Argument(..., help="Two or more results directories of one plan (runs at different times; only repeats may differ)."),
+    out: Path = typer.Option(..., help="Results directory to write: every cell with all the runs' repeats (spectune tune/report read it)."),
+) -> None:
+    """Pool runs of one plan measured at different times into one results directory, each cell's mean over all their launches."""
+    from spectune.merge import merge_runs
+
+    outcome = merge_runs(results, out)
+    for source, low, high in outcome.repeats:
+        typer.echo(f"{source}: repeats {low}-{high}")
+    typer.echo(f"{outcome.root}: {outcome.cells} cells from {len(outcome.repeats)} runs; next: spectune tune {outcome.root}")
+
+
 def _progress():
     """A live rich panel on a terminal; a line per server and cell otherwise (CI logs)."""
     from spectune.progress import PlainProgress, RichProgress

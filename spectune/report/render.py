@@ -10,6 +10,7 @@ import base64
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pandas as pd
 
@@ -301,7 +302,9 @@ def header_items(data: ReportData) -> list[tuple[str, str]]:
                      + (f"GPUs: {', '.join(map(str, gpus))}" if gpus else "no GPU")),
         ("engines", ", ".join(versions)),
         ("measured", _when(m.get("started_at"), m.get("finished_at") or m.get("updated_at"))
-                     + (f" from start to end, resumed {len(m['resumed_at'])}x" if m.get("resumed_at") else "")),
+                     + (f" from start to end, resumed {len(m['resumed_at'])}x" if m.get("resumed_at") else "")
+                     + (" from the first run's start to the last's end" if m.get("merged_from") else "")),
+        ("merged from", _merged(m.get("merged_from") or [])),
         ("spectune", f"{m.get('spectune_version', '')} (git {str(m.get('git_sha') or 'unknown')[:10]})"),
     ]
     return [(k, v) for k, v in items if v.strip()]
@@ -314,6 +317,15 @@ def _repeats(plan: dict, manifest: dict) -> str:
     return f"{text} ({added[0].get('from')} at the start, more added on resume)" if added else text
 
 
+def _merged(runs: list[dict]) -> str:
+    """'2 runs (spectune merge): grid-a (2026-12-04 16:20 UTC, 8.0 min; repeats 0-1), ...'."""
+    if not runs:
+        return ""
+    parts = [f"{Path(str(r.get('path', '?'))).name} ({_when(r.get('started_at'), r.get('finished_at'))}; repeats "
+             f"{r['repeats'][0]}-{r['repeats'][1]})" for r in runs]
+    return f"{len(runs)} runs (spectune merge): " + ", ".join(parts)
+
+
 def _when(start: object, end: object) -> str:
     """'2026-11-30 20:58 UTC, 20 s' from the manifest's ISO times; whatever is there when they do not parse."""
     import datetime as dt
@@ -323,7 +335,7 @@ def _when(start: object, end: object) -> str:
     except ValueError:
         return str(start or "")
     seconds = (b - a).total_seconds()
-    took = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+    took = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
     return f"{a.astimezone(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {took}"
 
 
