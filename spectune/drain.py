@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -42,19 +43,27 @@ def request_speeds(requests: pd.DataFrame) -> dict[str, np.ndarray]:
             for cell, group in ok.assign(s=speed)[["cell", "index", "s"]].groupby("cell")}
 
 
-def closed_loop_share(speeds: np.ndarray, batch_size: int, round_ms: Callable[[int], float]) -> float:
-    """Measured over steady output tokens/s of a closed loop of these requests (equal lengths) on batch_size slots:
-    total tokens / window, over batch_size x the round-weighted mean tokens per round / round_ms(batch_size)."""
+@dataclass(frozen=True, slots=True)
+class Drain:
+    share: float  # measured over steady output tokens/s
+    occupancy: float  # the window's time-averaged share of slots running a request
+
+
+def closed_loop(speeds: np.ndarray, batch_size: int, round_ms: Callable[[int], float]) -> Drain:
+    """A closed loop of these requests (equal lengths) on batch_size slots. share: total tokens / window, over
+    batch_size x the round-weighted mean tokens per round / round_ms(batch_size); occupancy: the requests' summed
+    lifetimes over batch_size x the window (a request's time per token over the window's ms per token)."""
     speeds = np.asarray(speeds, dtype=float)
     speeds = speeds[speeds > 0]
     if len(speeds) == 0 or batch_size <= 1:
-        return 1.0
+        return Drain(1.0, 1.0)
     queue = iter(range(len(speeds)))
     left = {i: 1.0 for _, i in zip(range(batch_size), queue)}  # share of each running request still to generate
-    window = 0.0
+    window = busy = 0.0
     while left:
         rounds = min(share / speeds[i] for i, share in left.items())
         window += rounds * round_ms(len(left))
+        busy += rounds * round_ms(len(left)) * len(left)
         for i in list(left):
             left[i] -= rounds * speeds[i]
             if left[i] <= 1e-9:
@@ -62,10 +71,11 @@ def closed_loop_share(speeds: np.ndarray, batch_size: int, round_ms: Callable[[i
                 if (j := next(queue, None)) is not None:
                     left[j] = 1.0
     steady = batch_size * len(speeds) / np.sum(1.0 / speeds) / round_ms(batch_size)
-    return float(len(speeds) / window / steady)
+    return Drain(float(len(speeds) / window / steady), float(busy / (batch_size * window)))
 
 
-def _closed(cells: pd.DataFrame) -> pd.Series:
+def closed_speculative(cells: pd.DataFrame) -> pd.Series:
+    """Which cells are closed-loop static speculative ones (those a drain applies to)."""
     schedule = cells["schedule"] if "schedule" in cells else pd.Series("closed", index=cells.index)
     return schedule.fillna("closed").eq("closed") & cells["is_speculative"].astype(bool) & (cells["num_speculative_tokens"].fillna(0) > 0)
 
@@ -74,9 +84,9 @@ def steady_cells(cells: pd.DataFrame, speeds: Speeds, cost: RoundCost) -> pd.Dat
     """cells with each closed-loop speculative cell's output tokens/s divided by its simulated share (others as they
     are)."""
     out = cells.copy()
-    for i in out.index[_closed(out) & out["cell"].isin(list(speeds))]:
+    for i in out.index[closed_speculative(out) & out["cell"].isin(list(speeds))]:
         g, bs = int(out.at[i, "num_speculative_tokens"]), int(out.at[i, "batch_size"])
-        out.at[i, "output_throughput_tps"] /= closed_loop_share(speeds[out.at[i, "cell"]], bs, lambda b: cost.t_round(b, g))
+        out.at[i, "output_throughput_tps"] /= closed_loop(speeds[out.at[i, "cell"]], bs, lambda b: cost.t_round(b, g)).share
     return out
 
 
@@ -95,12 +105,13 @@ def fit_steady(cells: pd.DataFrame, speeds: Speeds, **kwargs) -> tuple[CostFit, 
     return fit, steady
 
 
-def predicted_share(fit: CostFit, cells: pd.DataFrame, speeds: Speeds, batch_size: int, g: int, num_requests: int) -> float:
-    """The share a closed-loop cell of the fit's method at (batch_size, g) with num_requests requests keeps, its
-    prompts' relative speeds from the nearest measured cells (module docstring); 1 where none has speeds."""
-    spec = cells[_closed(cells) & (cells["engine"] == fit.engine) & (cells["method"] == fit.method) & cells["cell"].isin(list(speeds))]
+def predicted_drain(fit: CostFit, cells: pd.DataFrame, speeds: Speeds, batch_size: int, g: int, num_requests: int) -> Drain:
+    """The drain of a closed-loop cell of the fit's method at (batch_size, g) with num_requests requests, its prompts'
+    relative speeds from the nearest measured cells (module docstring); none (share and occupancy 1) where no cell has
+    speeds."""
+    spec = cells[closed_speculative(cells) & (cells["engine"] == fit.engine) & (cells["method"] == fit.method) & cells["cell"].isin(list(speeds))]
     if spec.empty or batch_size <= 1 or num_requests < 1:
-        return 1.0
+        return Drain(1.0, 1.0)
     same_bs = spec[spec["batch_size"] == batch_size]
     if len(same_bs):
         distance = (same_bs["num_speculative_tokens"] - g).abs()
@@ -112,6 +123,6 @@ def predicted_share(fit: CostFit, cells: pd.DataFrame, speeds: Speeds, batch_siz
         near = pool[distance == distance.min()]
     relative = [pd.Series(s / (len(s) / np.sum(1.0 / s))) for s in (speeds[c] for c in near["cell"]) if len(s)]
     if not relative:
-        return 1.0
+        return Drain(1.0, 1.0)
     mean = pd.concat(relative).groupby(level=0).mean()
-    return closed_loop_share(mean.reindex(range(num_requests)).fillna(1.0).to_numpy(), batch_size, lambda b: fit.cost.t_round(b, g))
+    return closed_loop(mean.reindex(range(num_requests)).fillna(1.0).to_numpy(), batch_size, lambda b: fit.cost.t_round(b, g))

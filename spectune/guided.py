@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from spectune.costmodel import split_failed
-from spectune.drain import Speeds, fit_steady, predicted_share, request_speeds
+from spectune.drain import Speeds, fit_steady, predicted_drain, request_speeds
 from spectune.errors import SpectuneError
 
 # The cost model's own error allowance: held-out prediction error on the embedded engine is of this order
@@ -89,7 +89,7 @@ def predict_unmeasured(cells: pd.DataFrame, grid: pd.DataFrame, measured: set[tu
             ms = fit.cost.ms_per_token(r.batch_size, g, tokens) + (float(base[r.batch_size]) - fit.cost.t_round(r.batch_size, 0)) / tokens
             tps = 1000.0 * r.batch_size / ms
             if speeds and r.batch_size in requests.index:
-                tps *= predicted_share(fit, usable, speeds, int(r.batch_size), g, int(requests[r.batch_size]))
+                tps *= predicted_drain(fit, usable, speeds, int(r.batch_size), g, int(requests[r.batch_size])).share
             rows.append({"server": r.server, "batch_size": int(r.batch_size), "predicted_tps": tps,
                          "predicted_tps_high": tps * high_tokens / tokens * (1.0 + MODEL_MARGIN)})
     return pd.DataFrame(rows, columns=["server", "batch_size", "predicted_tps", "predicted_tps_high"])

@@ -9,11 +9,14 @@ A cell here is one (server, batch size), its measured figures the mean over repe
 the fit's ms per token (RoundCost.ms_per_token, anchored on target-only's measured ms per token at that batch size,
 times how the cell's server ran at the batch sizes the fit saw, costmodel.server_factors: none when its step count is
 held out):
-- TPOT: ms per token times the measured TPOT / ms-per-token ratio of the fit's
-  own speculative cells at that batch size (the share of a token's time that is decode, not others' prefills),
-  interpolated in log batch size for a held-out one;
-- output throughput: 1000 x batch size / predicted ms per token;
-- speedup over target-only: target-only's measured ms per token / predicted ms per token.
+- output throughput: 1000 x batch size / predicted ms per token, times the cell's drain (spectune.drain: the share of
+  steady throughput a closed loop's window keeps, simulated from its requests' speeds);
+- speedup over target-only: target-only's measured ms per token / predicted ms per token, times the drain;
+- TPOT: the window's ms per token times the drain's simulated occupancy (a request's time per token, e2e over tokens),
+  times the decode ratio of the fit's own speculative cells at that batch size (measured TPOT over the same product for
+  them: the part that is decode, not the request's own TTFT), linear in log batch size between measured batch sizes
+  and along the line through the two nearest beyond them. The occupancy is what the ratio could not carry from a
+  neighbour: on the embedded engine at batch 4 the closed loop runs out of prompts and drains (benchmarks/README.md).
 
 Beside it the noise floor: the expected absolute error of a speculative cell's measured mean output tokens/s, from the
 spread of its repeats, as a share of the mean (mean over cells; with two repeats exactly half their difference, and
@@ -30,7 +33,7 @@ import numpy as np
 import pandas as pd
 
 from spectune.costmodel import CostFit, ms_per_token, server_factors, split_failed
-from spectune.drain import Speeds, fit_steady, predicted_share
+from spectune.drain import Drain, Speeds, closed_loop, closed_speculative, fit_steady, predicted_drain
 from spectune.errors import SpectuneError
 
 METRICS = ("tpot", "throughput", "speedup")
@@ -73,8 +76,9 @@ def holdout_predictions(cells: pd.DataFrame, speeds: Speeds | None = None) -> pd
                     fit, steady = fit_steady(train, speeds, engine=engine, method=method)
                 except SpectuneError:
                     continue  # too little left to fit (e.g. no target-only at any remaining batch size)
-                drain = (lambda bs, g, n: predicted_share(fit, train, speeds, bs, g, n)) if speeds else None
-                for r in _predict(fit, steady, usable, held, holdout, drain):
+                drain = (lambda bs, g, n: predicted_drain(fit, train, speeds, bs, g, n)) if speeds else None
+                decode = decode_ratio(fit, spec[spec[column] != value], speeds)
+                for r in _predict(fit, steady, usable, held, holdout, decode, drain):
                     rows.append({**r, "extrapolated": value in (values[0], values[-1])})
     return pd.DataFrame(rows)
 
@@ -164,13 +168,12 @@ def holdout_lines(report: dict[str, object]) -> list[str]:
     return lines
 
 
-def _predict(fit: CostFit, train: pd.DataFrame, usable: pd.DataFrame, held: pd.DataFrame, holdout: str,
-             drain: Callable[[int, int, int], float] | None = None) -> list[dict]:
-    """drain(batch size, g, requests): the share of steady tok/s a held-out cell's window keeps (None: all of it)."""
+def _predict(fit: CostFit, train: pd.DataFrame, usable: pd.DataFrame, held: pd.DataFrame, holdout: str, decode: pd.Series,
+             drain: Callable[[int, int, int], Drain] | None = None) -> list[dict]:
+    """decode: decode_ratio of the fit's cells; drain(batch size, g, requests): a held-out cell's simulated drain (None:
+    none)."""
     target = usable[~usable["is_speculative"].astype(bool) & (usable["engine"] == fit.engine)]
     base = target.assign(ms=ms_per_token(target)).groupby(["workload", "batch_size"])["ms"].mean()
-    spec_train = train[train["is_speculative"].astype(bool) & (train["engine"] == fit.engine) & (train["method"] == fit.method)]
-    tpot_share = _tpot_share(spec_train)
     factors = server_factors(fit, train)  # what the held-out cell's server measured at other batch sizes, if any
     measured = held.assign(ms=ms_per_token(held), requests=held.get("num_requests", np.nan)).groupby(
         ["workload", "server", "batch_size", "num_speculative_tokens"]).agg(
@@ -183,10 +186,9 @@ def _predict(fit: CostFit, train: pd.DataFrame, usable: pd.DataFrame, held: pd.D
         t0 = float(base[(workload, bs)])  # target-only measured here; the fit's draft terms are interpolated if it never saw bs
         tokens = fit.profile(workload, bs).expected_tokens(int(g))
         ms = (fit.cost.ms_per_token(bs, g, tokens) + (t0 - fit.cost.t_round(bs, 0)) / tokens) * float(factors.get(server, 1.0))
-        share = np.interp(np.log2(bs), np.log2(tpot_share.index.to_numpy(float)), tpot_share.to_numpy())  # batch sizes go in powers
-        drained = drain(int(bs), int(g), int(m["num_requests"])) if drain is not None else 1.0
-        predicted = {"tpot": ms * float(share),
-                     "throughput": 1000.0 * bs / ms * drained, "speedup": t0 / ms * drained}
+        d = drain(int(bs), int(g), int(m["num_requests"])) if drain is not None else Drain(1.0, 1.0)
+        predicted = {"tpot": ms / d.share * d.occupancy * _along(decode, bs),
+                     "throughput": 1000.0 * bs / ms * d.share, "speedup": t0 / ms * d.share}
         actual = {"tpot": m["tpot_ms_mean"], "throughput": m["output_throughput_tps"], "speedup": t0 / m["ms"]}
         row = {"holdout": holdout, "engine": fit.engine, "method": fit.method, "workload": workload, "server": server,
                "batch_size": int(bs), "g": int(g)}
@@ -197,7 +199,23 @@ def _predict(fit: CostFit, train: pd.DataFrame, usable: pd.DataFrame, held: pd.D
     return rows
 
 
-def _tpot_share(spec: pd.DataFrame) -> pd.Series:
-    """Measured TPOT / ms per token per batch size (sorted index), over speculative cells."""
-    ratio = (spec["tpot_ms_mean"] / ms_per_token(spec)).groupby(spec["batch_size"]).median().dropna()
+def decode_ratio(fit: CostFit, spec: pd.DataFrame, speeds: Speeds) -> pd.Series:
+    """Per batch size (sorted index), the median over measured speculative cells of TPOT / (the window's ms per token x
+    the occupancy simulated from the cell's own requests, spectune.drain; 1 without speeds): what of a running
+    request's time per token is decode, not its own TTFT."""
+    occupancy = pd.Series(1.0, index=spec.index)
+    for i in spec.index[closed_speculative(spec) & spec["cell"].isin(list(speeds))] if speeds else []:
+        g = int(spec.at[i, "num_speculative_tokens"])
+        occupancy[i] = closed_loop(speeds[spec.at[i, "cell"]], int(spec.at[i, "batch_size"]), lambda b: fit.cost.t_round(b, g)).occupancy
+    ratio = (spec["tpot_ms_mean"] / ms_per_token(spec) / occupancy).groupby(spec["batch_size"]).median().dropna()
     return ratio.sort_index() if len(ratio) else pd.Series([1.0], index=[1])
+
+
+def _along(by_batch_size: pd.Series, bs: int) -> float:
+    """Linear in log batch size (batch sizes go in powers) between measured ones; beyond them, the line through the
+    two nearest (TTFT's share of a request grows with the batch, so holding the end value overshoots)."""
+    x, y, v = np.log2(by_batch_size.index.to_numpy(float)), by_batch_size.to_numpy(), math.log2(bs)
+    if len(x) >= 2 and not x[0] <= v <= x[-1]:
+        i, j = (0, 1) if v < x[0] else (-2, -1)
+        return float(y[i] + (y[j] - y[i]) * (v - x[i]) / (x[j] - x[i]))
+    return float(np.interp(v, x, y))

@@ -7,22 +7,26 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from spectune.drain import closed_loop_share, fit_steady, request_speeds
+from spectune.drain import closed_loop, fit_steady, request_speeds
 from spectune.guided import predict_unmeasured
 from spectune.holdout import holdout_predictions
 from synthetic_sweep import LINEAR_COST as LINEAR, SYNTHETIC_PROFILES, synthetic_cells
 
 
 def test_requests_in_lockstep_or_one_slot_lose_nothing_to_the_drain():
-    assert closed_loop_share(np.full(12, 2.3), 4, lambda b: 5.0) == pytest.approx(1.0)
-    assert closed_loop_share(np.array([1.0, 3.0, 2.0]), 1, lambda b: 5.0) == 1.0
+    assert closed_loop(np.full(12, 2.3), 4, lambda b: 5.0).share == pytest.approx(1.0)
+    assert closed_loop(np.full(12, 2.3), 4, lambda b: 5.0).occupancy == pytest.approx(1.0)
+    assert closed_loop(np.array([1.0, 3.0, 2.0]), 1, lambda b: 5.0).share == 1.0
 
 
 def test_a_tail_costs_its_idle_slots_unless_a_round_costs_in_proportion_to_the_batch():
     # two requests on two slots, one twice as fast: half of the window runs one request
-    assert closed_loop_share(np.array([1.0, 2.0]), 2, lambda b: 1.0) == pytest.approx(0.75)
-    # a round costing in proportion to the batch: one request alone goes twice as fast, and nothing is lost
-    assert closed_loop_share(np.array([1.0, 2.0]), 2, lambda b: float(b)) == pytest.approx(1.0)
+    drain = closed_loop(np.array([1.0, 2.0]), 2, lambda b: 1.0)
+    assert (drain.share, drain.occupancy) == pytest.approx((0.75, 0.75))
+    # a round costing in proportion to the batch: one request alone goes twice as fast, and no throughput is lost, but
+    # one slot stands idle for the last third of the window (2.5 request-ms of 3 slot-ms)
+    drain = closed_loop(np.array([1.0, 2.0]), 2, lambda b: float(b))
+    assert drain.share == pytest.approx(1.0) and drain.occupancy == pytest.approx(2.5 / 3.0)
 
 
 def test_request_speeds_are_tokens_per_chunk_after_the_first_in_send_order():
@@ -45,7 +49,7 @@ def drained_cells() -> tuple[pd.DataFrame, dict[str, np.ndarray]]:
     for i in cells.index[cells["is_speculative"].astype(bool)]:
         g, bs = int(cells.at[i, "num_speculative_tokens"]), int(cells.at[i, "batch_size"])
         speeds[cells.at[i, "cell"]] = relative[: int(cells.at[i, "num_requests"])] * (1.0 + g / 2)
-        cells.at[i, "output_throughput_tps"] *= closed_loop_share(speeds[cells.at[i, "cell"]], bs, lambda b: LINEAR.t_round(b, g))
+        cells.at[i, "output_throughput_tps"] *= closed_loop(speeds[cells.at[i, "cell"]], bs, lambda b: LINEAR.t_round(b, g)).share
     return cells, speeds
 
 
@@ -81,3 +85,16 @@ def test_the_guided_sweeps_predictions_of_unmeasured_cells_carry_their_drain():
     assert set(with_drain["batch_size"]) == {4} and len(with_drain) == held.sum()
     assert error(with_drain).max() < 0.005
     assert error(without).mean() > 3 * error(with_drain).mean()
+
+
+def test_a_held_out_batch_size_s_tpot_follows_its_simulated_occupancy():
+    cells, speeds = drained_cells()
+    for i in cells.index[cells["is_speculative"].astype(bool)]:  # TPOT: a request's time per token, 90% of it decode
+        g, bs = int(cells.at[i, "num_speculative_tokens"]), int(cells.at[i, "batch_size"])
+        window_ms = 1000.0 * bs / cells.at[i, "output_throughput_tps"]
+        cells.at[i, "tpot_ms_mean"] = 0.9 * window_ms * closed_loop(speeds[cells.at[i, "cell"]], bs, lambda b: LINEAR.t_round(b, g)).occupancy
+    with_drain = holdout_predictions(cells, speeds)
+    without = holdout_predictions(cells)
+    inside = lambda p: p[(p["holdout"] == "batch_size") & ~p["extrapolated"]]["tpot_abs_pct_error"]
+    assert inside(with_drain).max() < 0.5
+    assert inside(without).mean() > 3 * inside(with_drain).mean()
