@@ -4,7 +4,8 @@ On a host whose speed drifts, one run measures each cell at one moment; runs hou
 launches, and held out, the model predicts their mean better than any one run (benchmarks/README.md, issue 12). The
 runs must have the same plan but for its repeats (the same servers, batch sizes and traffic) and the same hardware; their
 repeats are numbered one after another (the first run's 0..r1-1, the next r1.., and so on), each run's round logs and
-server logs kept. Each must be complete (a guided sweep's is: every cell it chose). Nothing in them is touched.
+server logs kept. Each must be complete (a guided sweep's is: every cell it chose). Nothing in them is touched, and
+the merged directory appears only once it is whole.
 """
 
 from __future__ import annotations
@@ -57,7 +58,11 @@ def merge_runs(sources: list[Path], out: Path) -> MergeOutcome:
     manifest |= {"hardware": first.get("hardware"), "engines": first.get("engines", {}), "git_sha": first.get("git_sha"),
                  "spectune_version": first.get("spectune_version"),
                  "started_at": min(s.manifest["started_at"] for s in stores)}
-    store = RunStore.create(out, manifest)
+    if out.exists() and any(out.iterdir()):
+        raise SpectuneError(f"{out}: not empty; choose another --out (a merge writes a new results directory)")
+    work = out.parent / f".{out.name}.merging"  # renamed to out when complete: a failed merge leaves no half run behind
+    shutil.rmtree(work, ignore_errors=True)
+    store = RunStore.create(work, manifest)
     offset, spans, merged = 0, [], []
     for source, src, count in zip(sources, stores, counts):
         for cid, row in src.finished_cells().items():
@@ -84,4 +89,5 @@ def merge_runs(sources: list[Path], out: Path) -> MergeOutcome:
     store.manifest["finished_at"] = store.manifest["updated_at"] = max(str(m["finished_at"]) for m in merged)
     store.save_manifest()
     store.finalize()
+    work.rename(out)
     return MergeOutcome(out, len(finished), spans)

@@ -48,6 +48,7 @@ def test_merged_run_holds_every_cell_of_both_runs_with_repeats_numbered_in_turn(
     assert f"{first}: repeats 0-0" in proc.stdout and f"{second}: repeats 1-2" in proc.stdout
     assert f"next: spectune tune {out}" in proc.stdout
     assert {r: _snapshot(r) for r in runs} == before  # the sources are untouched
+    assert not (tmp_path / ".merged.merging").exists()  # written aside and renamed once whole
 
     merged = load_run(out)
     a, b = load_run(first), load_run(second)
@@ -97,4 +98,11 @@ def test_runs_of_different_plans_or_hardware_are_refused_and_nothing_is_written(
 
     proc = _merge(str(first), "--out", str(out))
     assert proc.returncode == 2 and "two or more" in proc.stderr
+
+    taken = tmp_path / "taken"
+    (taken / "notes").mkdir(parents=True)
+    proc = _merge(str(first), str(second), "--out", str(taken))
+    assert proc.returncode == 2 and f"{taken}: not empty; choose another --out" in proc.stderr
+    assert [p.name for p in taken.iterdir()] == ["notes"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no half-merged directory left
     assert len(finished_cells(first)) == 4
