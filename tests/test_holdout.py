@@ -239,3 +239,42 @@ def test_tpot_share_of_a_held_out_batch_size_is_interpolated_in_log_batch_size()
     assert set(inside["batch_size"]) == {2, 4, 8}
     ms_error = 100 * (inside["measured_throughput"] / inside["predicted_throughput"] - 1).abs()  # predicted ms / measured ms
     assert (inside["tpot_abs_pct_error"] - ms_error).abs().max() < 0.5
+
+
+def _slowed_at(cells: pd.DataFrame, batch_size: int, factor: float, target_only: bool) -> pd.DataFrame:
+    """SYNTHETIC cells with a moment of the host `factor` slower at one batch size: target-only's cell alone (servers
+    measured one after another) or every server's (side by side)."""
+    hit = (cells["batch_size"] == batch_size) & ((~cells["is_speculative"].astype(bool)) if target_only else True)
+    return cells.assign(output_throughput_tps=cells["output_throughput_tps"].where(~hit, cells["output_throughput_tps"] / factor),
+                        tpot_ms_mean=cells["tpot_ms_mean"].where(~hit, cells["tpot_ms_mean"] * factor))
+
+
+def _batch_size_errors(cells: pd.DataFrame, side_by_side: bool) -> pd.Series:
+    p = holdout_predictions(cells, side_by_side=side_by_side)
+    return p[p["holdout"] == "batch_size"].groupby("batch_size")["throughput_abs_pct_error"].mean()
+
+
+def test_a_slow_target_only_cell_of_its_own_moment_is_smoothed_away_but_a_moment_every_server_shared_is_kept():
+    """Every prediction at a batch size is anchored on target-only's ms per token there. Servers measured one after
+    another: a slow moment of target-only's cell at batch 4 is its own, and the measured anchor carries it into every
+    prediction at 4 (and the opposite into 2 and 8, whose draft terms are fitted against it); smoothed over batch sizes
+    (side_by_side False) it is gone. Side by side every server at 4 shared the moment, and the anchor as measured is
+    what predicts them."""
+    cells = synthetic_cells(cost=LINEAR, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
+    own = _slowed_at(cells, 4, 1.15, target_only=True)
+    as_measured, smoothed = _batch_size_errors(own, side_by_side=True), _batch_size_errors(own, side_by_side=False)
+    assert as_measured[4] > 5 and as_measured[[2, 8]].min() > 2.5, as_measured  # and the opposite sign at 2 and 8
+    assert smoothed.max() < 2.5 and smoothed.mean() < as_measured.mean() / 3, smoothed
+    shared = _slowed_at(cells, 4, 1.15, target_only=False)
+    kept, lost = _batch_size_errors(shared, side_by_side=True), _batch_size_errors(shared, side_by_side=False)
+    assert kept.mean() < lost.mean() / 2 and lost[4] > 10, (kept, lost)  # smoothing a moment everyone shared misses it
+    # tuning.json and the console say when the anchor was smoothed
+    assert holdout_report(own, side_by_side=False)["anchor_smoothed"] is True
+    assert holdout_report(own)["anchor_smoothed"] is False
+    assert any(line.startswith("anchor: target-only's ms per token") for line in holdout_lines(holdout_report(own, side_by_side=False)))
+    # the measured speedup stays over target-only as measured: the slow anchor makes every cell at 4 look faster
+    p = holdout_predictions(own, side_by_side=False)
+    at4 = p[(p["holdout"] == "batch_size") & (p["batch_size"] == 4)]
+    clean = holdout_predictions(cells, side_by_side=False)
+    clean4 = clean[(clean["holdout"] == "batch_size") & (clean["batch_size"] == 4)]
+    assert (at4["measured_speedup"].to_numpy() > 1.1 * clean4["measured_speedup"].to_numpy()).all()

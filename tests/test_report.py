@@ -152,6 +152,8 @@ def test_report_after_tune_includes_the_tuning_results(run, tuned, tmp_path, spe
     assert f"Noise floor: {tuning['holdout']['noise_floor_pct']:.1f}%." in section
     # measured on one launch per server, the report says what the floor leaves out and how to put it in
     assert tuning["holdout"]["noise_floor_one_launch"] is True and "relaunch = true in the plan" in section
+    # two batch sizes: target-only's anchor has nothing to be smoothed over, and the report does not say it was
+    assert tuning["holdout"]["anchor_smoothed"] is False and "smoothed over batch sizes" not in section
 
 
 def test_report_shows_deploy_commands_verdict_and_exhaustive_from_tuning_json(tuned, tmp_path):
@@ -160,7 +162,8 @@ def test_report_shows_deploy_commands_verdict_and_exhaustive_from_tuning_json(tu
     path = root / "tuned" / "tuning.json"
     tuning = json.loads(path.read_text())
     tuning |= {"deploy": DEPLOY, "verdict": {"text": "tuned adaptive is better than SGLang's default by 4.1% [2.0, 6.2]", "source": "measured"},
-               "exhaustive": {"best_speedup": 1.3, "search_share": 0.97, "oracle_share": 0.8, "text": "the search found 97% of the exhaustive best"}}
+               "exhaustive": {"best_speedup": 1.3, "search_share": 0.97, "oracle_share": 0.8, "text": "the search found 97% of the exhaustive best"},
+               "holdout": tuning["holdout"] | {"anchor_smoothed": True}}
     path.write_text(json.dumps(tuning))
     page_path, md_path = write_report(root, tmp_path / "r")
     page, md = page_path.read_text(), md_path.read_text()
@@ -171,6 +174,10 @@ def test_report_shows_deploy_commands_verdict_and_exhaustive_from_tuning_json(tu
     assert r"\<head\>" in answer_md
     assert "--speculative-config &#39;{&#34;method&#34;: &#34;ngram&#34;" in page and "&lt;head&gt;" in page
     assert "tuned adaptive is better than SGLang" in answer_md and "found 97% of the exhaustive best" in md
+    # a held-out error whose anchor was smoothed (servers one after another, four batch sizes or more) says so under it
+    holdout = md.split("### The model on cells it did not see", 1)[1].split("##", 1)[0]
+    assert "Here target-only's ms per token, which every prediction at its batch size starts from, is smoothed" in holdout
+    assert "is smoothed over batch sizes" in page
 
 
 def test_report_survives_missing_data(run, tmp_path):

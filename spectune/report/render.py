@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from spectune.holdout import NOISE_FLOOR_MEANING, ONE_LAUNCH_NOTE
+from spectune.holdout import ANCHOR_NOTE, NOISE_FLOOR_MEANING, ONE_LAUNCH_NOTE
 from spectune.report.data import ReportData
 from spectune.report.plots import Plot
 
@@ -199,12 +199,17 @@ def holdout_table(data: ReportData) -> Table:
 
 
 def holdout_noise(data: ReportData) -> str:
-    """One sentence on the held-out table's noise floor (spectune.holdout.noise_floor); empty where not known."""
+    """Sentences under the held-out table: its noise floor (spectune.holdout.noise_floor) and, where it was smoothed,
+    target-only's anchor; empty where neither applies."""
     t = data.tuning
-    if t is None or math.isnan(t.holdout_noise_pct):
+    if t is None:
         return ""
+    anchor = f"Here {ANCHOR_NOTE}." if t.holdout_anchor_smoothed else ""
+    if math.isnan(t.holdout_noise_pct):
+        return anchor
     note = f" Here {ONE_LAUNCH_NOTE}." if t.holdout_one_launch else ""
-    return f"Noise floor: {t.holdout_noise_pct:.1f}%. {NOISE_FLOOR_MEANING[0].upper()}{NOISE_FLOOR_MEANING[1:]}.{note}"
+    floor = f"Noise floor: {t.holdout_noise_pct:.1f}%. {NOISE_FLOOR_MEANING[0].upper()}{NOISE_FLOOR_MEANING[1:]}.{note}"
+    return f"{floor} {anchor}".rstrip()
 
 
 def method_tables(data: ReportData) -> list[tuple[str, str, Table]]:
