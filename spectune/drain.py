@@ -80,13 +80,22 @@ def closed_speculative(cells: pd.DataFrame) -> pd.Series:
     return schedule.fillna("closed").eq("closed") & cells["is_speculative"].astype(bool) & (cells["num_speculative_tokens"].fillna(0) > 0)
 
 
+def cell_drains(cells: pd.DataFrame, speeds: Speeds, cost: RoundCost) -> dict[object, Drain]:
+    """By index, the drain of each closed-loop speculative cell whose requests' speeds are known, simulated from them
+    with this round cost."""
+    drains = {}
+    for i in cells.index[closed_speculative(cells) & cells["cell"].isin(list(speeds))]:
+        g, bs = int(cells.at[i, "num_speculative_tokens"]), int(cells.at[i, "batch_size"])
+        drains[i] = closed_loop(speeds[cells.at[i, "cell"]], bs, lambda b: cost.t_round(b, g))
+    return drains
+
+
 def steady_cells(cells: pd.DataFrame, speeds: Speeds, cost: RoundCost) -> pd.DataFrame:
     """cells with each closed-loop speculative cell's output tokens/s divided by its simulated share (others as they
     are)."""
     out = cells.copy()
-    for i in out.index[closed_speculative(out) & out["cell"].isin(list(speeds))]:
-        g, bs = int(out.at[i, "num_speculative_tokens"]), int(out.at[i, "batch_size"])
-        out.at[i, "output_throughput_tps"] /= closed_loop(speeds[out.at[i, "cell"]], bs, lambda b: cost.t_round(b, g)).share
+    for i, drain in cell_drains(out, speeds, cost).items():
+        out.at[i, "output_throughput_tps"] /= drain.share
     return out
 
 

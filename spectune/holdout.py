@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 
 from spectune.costmodel import CostFit, ms_per_token, server_factors, smoothed_target, split_failed
-from spectune.drain import Drain, Speeds, closed_loop, closed_speculative, fit_steady, predicted_drain
+from spectune.drain import Drain, Speeds, cell_drains, fit_steady, predicted_drain
 from spectune.errors import SpectuneError
 
 METRICS = ("tpot", "throughput", "speedup")
@@ -221,9 +221,8 @@ def decode_ratio(fit: CostFit, spec: pd.DataFrame, speeds: Speeds) -> pd.Series:
     the occupancy simulated from the cell's own requests, spectune.drain; 1 without speeds): what of a running
     request's time per token is decode, not its own TTFT."""
     occupancy = pd.Series(1.0, index=spec.index)
-    for i in spec.index[closed_speculative(spec) & spec["cell"].isin(list(speeds))] if speeds else []:
-        g = int(spec.at[i, "num_speculative_tokens"])
-        occupancy[i] = closed_loop(speeds[spec.at[i, "cell"]], int(spec.at[i, "batch_size"]), lambda b: fit.cost.t_round(b, g)).occupancy
+    for i, drain in (cell_drains(spec, speeds, fit.cost) if speeds else {}).items():
+        occupancy[i] = drain.occupancy
     ratio = (spec["tpot_ms_mean"] / ms_per_token(spec) / occupancy).groupby(spec["batch_size"]).median().dropna()
     return ratio.sort_index() if len(ratio) else pd.Series([1.0], index=[1])
 
