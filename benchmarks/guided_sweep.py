@@ -9,6 +9,8 @@ so every seed costs nothing but the fits. Each --guided directory is a real `spe
 cells and wall time are its own, its pick per batch size is scored by the grid's measurement of that cell.
 
 Gap: per batch size, 1 - grid tok/s of the guided pick / grid tok/s of the grid's best cell (0 = same cell or a tie).
+Where the budget ran out, the cells the sweep named as expected faster (not measured) are counted, with how many of
+them the grid measured faster than the pick, and the gap had they been taken.
 
 --truth: several full grids of the same plan, measured at other times. Picks are then also scored by the mean of
 those grids (what a cell gives on this host, not what one launch of it measured), and two more tables say how far
@@ -51,6 +53,13 @@ def truth_gaps(picks: pd.DataFrame, truth: pd.Series) -> pd.Series:
     best = truth.groupby(level=0).max()
     picked = pd.Series({int(r.batch_size): truth.get((r.batch_size, r.server), float("nan")) for r in picks.itertuples()})
     return 1.0 - picked / best.reindex(picked.index)
+
+
+def taken_picks(recommendation: pd.DataFrame, expected_better: pd.DataFrame) -> pd.DataFrame:
+    """The measured picks with the guided sweep's expected-better cells (not measured) in their place."""
+    picks = recommendation.set_index("batch_size")["server"].copy()
+    picks.update(expected_better.set_index("batch_size")["server"])
+    return picks.rename("server").reset_index()
 
 
 def noise_table(runs: list, truth: pd.Series, grid: pd.DataFrame, seeds: list[int], budget: float) -> pd.DataFrame:
@@ -121,8 +130,13 @@ def main() -> None:
 
         result = guide(grid, measure, args.budget, seed, log=lambda _: None)
         g = gaps(result.recommendation, cells)
+        better = result.expected_better
+        taken = gaps(taken_picks(result.recommendation, better), cells)
+        truth = mean_tps(cells)
+        faster = sum(truth.get((r.batch_size, r.server), 0.0) > truth.get((r.batch_size, r.best_server), 0.0) for r in better.itertuples())
         rows.append({"run": f"replay seed {seed}", "cells": len(result.measured), "share": len(result.measured) / len(grid),
-                     "stopped": result.stopped, "rounds": result.rounds, "mean_gap": g.mean(), "max_gap": g.max(), "wall_s": None})
+                     "stopped": result.stopped, "rounds": result.rounds, "mean_gap": g.mean(), "max_gap": g.max(), "wall_s": None,
+                     "expected": len(better), "faster": faster, "taken_gap": taken.mean()})
     for path in args.guided:
         real = load_run(path)
         info = real.manifest.get("guided", {})
@@ -140,6 +154,8 @@ def main() -> None:
     replay = table[table["run"].str.startswith("replay")]
     print(f"replays: {len(replay)} seeds, cells {replay['cells'].min()}-{replay['cells'].max()}, mean gap {replay['mean_gap'].mean():.2%}, "
           f"worst max gap {replay['max_gap'].max():.2%}")
+    print(f"expected better, not measured (the budget ran out): {replay['expected'].sum()} cells over the seeds, "
+          f"{replay['faster'].sum()} of them faster than the pick in the grid; mean gap with them taken {replay['taken_gap'].mean():.2%}")
     if not args.truth:
         return
     grids = {args.grid: run} | {p: load_run(p) for p in args.truth if p != args.grid}

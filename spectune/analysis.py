@@ -330,14 +330,15 @@ def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, ba
     target-only server to compare with when there are several (spectune.store.first_target), if it has usable cells.
 
     Columns: batch_size, server, method ("target-only" for none), steps (0 for target-only), speedup,
-    speedup_ci_low, speedup_ci_high, tpot_speedup, acceptance_rate, acceptance_length, and is_clear: the
+    speedup_ci_low, speedup_ci_high, tpot_speedup, acceptance_rate, acceptance_length, is_clear: the
     interval excludes 1 (for target-only rows: the fastest speculative server's interval lies below 1); with one
-    repeat there is no interval and nothing is clear."""
+    repeat there is no interval and nothing is clear; and compared: a speculative server was measured at this batch
+    size (False only on a target-only row, e.g. a guided sweep that measured none there)."""
     ok = cells[(cells["status"] == "ok") & (cells["failure_rate"].fillna(0.0) <= max_failure_rate)]
     if "adaptive_config" in ok:
         ok = ok[ok["adaptive_config"].isna()]
     columns = ["batch_size", "server", "method", "steps", "speedup", "speedup_ci_low", "speedup_ci_high", "tpot_speedup",
-               "acceptance_rate", "acceptance_length", "is_clear"]
+               "acceptance_rate", "acceptance_length", "is_clear", "compared"]
     if ok.empty or ok["is_speculative"].astype(bool).all():
         return pd.DataFrame(columns=columns)
     if baseline not in set(ok.loc[~ok["is_speculative"].astype(bool), "server"]):
@@ -356,7 +357,7 @@ def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, ba
             rows.append({"batch_size": int(bs), "server": target, "method": "target-only", "steps": 0, "speedup": 1.0,
                          "speedup_ci_low": math.nan, "speedup_ci_high": math.nan, "tpot_speedup": 1.0,
                          "acceptance_rate": math.nan, "acceptance_length": math.nan,
-                         "is_clear": bool(best is not None and best["speedup_ci_high"] < 1.0)})
+                         "is_clear": bool(best is not None and best["speedup_ci_high"] < 1.0), "compared": best is not None})
             continue
         server = best["server"]
         figures = acc.loc[(server, bs)] if (server, bs) in acc.index else pd.Series(dtype=float)
@@ -366,5 +367,5 @@ def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, ba
                      "tpot_speedup": float(best.get("tpot_speedup", math.nan)),
                      "acceptance_rate": float(figures.get("acceptance_rate", math.nan)),
                      "acceptance_length": float(figures.get("acceptance_length", math.nan)),
-                     "is_clear": bool(best["speedup_ci_low"] > 1.0)})
+                     "is_clear": bool(best["speedup_ci_low"] > 1.0), "compared": True})
     return pd.DataFrame(rows, columns=columns)

@@ -8,8 +8,9 @@ one cell per batch size a round instead left a 2.9% mean gap to the grid's best 
 its interval (the acceptance's 95% interval, widened by MODEL_MARGIN for the cost model's own error), exceeds the
 best measured at that batch size. The sweep stops when no cell can (the recommendation per batch size is stable) or
 the budget is spent. A cell here is one (server, batch size) with all the plan's repeats; the budget is a share of
-the plan's (server, batch size) pairs. Predictions are fitted and scaled as `spectune tune`'s held-out check does:
-on steady throughput, each predicted closed-loop cell times its drain (spectune.drain).
+the plan's (server, batch size) pairs; where it runs out, the cells the model still expects to beat the measured best
+are named (expected_better), not measured and not recommended. Predictions are fitted and scaled as `spectune tune`'s
+held-out check does: on steady throughput, each predicted closed-loop cell times its drain (spectune.drain).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from spectune.errors import SpectuneError
 # (benchmarks/README.md, "held-out error"), so a cell predicted within it of the best is still worth a look.
 MODEL_MARGIN = 0.05
 
+EXPECTED_BETTER_COLUMNS = ["batch_size", "server", "predicted_tps", "best_server", "best_tps", "gain"]
+
 
 @dataclass(slots=True)
 class GuidedResult:
@@ -38,6 +41,7 @@ class GuidedResult:
     budget_cells: int
     total_cells: int
     recommendation: pd.DataFrame = field(default_factory=pd.DataFrame)  # batch_size, server, output_throughput_tps
+    expected_better: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=EXPECTED_BETTER_COLUMNS))  # where the budget ran out
 
 
 def grid_pairs(servers: pd.DataFrame, batch_sizes: list[int]) -> pd.DataFrame:
@@ -116,6 +120,28 @@ def next_pairs(cells: pd.DataFrame, grid: pd.DataFrame, measured: set[tuple[str,
     return [(s, int(b)) for s, b in hopeful[["server", "batch_size"]].itertuples(index=False)][:limit]
 
 
+def expected_better(cells: pd.DataFrame, grid: pd.DataFrame, measured: set[tuple[str, int]], speeds: Speeds | None = None) -> pd.DataFrame:
+    """Per batch size the unmeasured cell the model expects to beat the best measured one by more than MODEL_MARGIN
+    (its predicted tok/s, not the high end): what a larger budget would measure first. Columns batch_size, server,
+    predicted_tps, best_server, best_tps, gain (predicted / best - 1). On replayed grids the cells listed here beat
+    the measured pick more often than not (benchmarks/README.md, "guided sweep")."""
+    columns = EXPECTED_BETTER_COLUMNS
+    predicted = predict_unmeasured(cells, grid, measured, speeds)
+    best = best_measured(cells).set_index("batch_size")
+    predicted = predicted[predicted["batch_size"].isin(best.index)]
+    if predicted.empty:
+        return pd.DataFrame(columns=columns)
+    top = predicted.sort_values("predicted_tps", ascending=False).drop_duplicates("batch_size")
+    top = top.assign(best_server=top["batch_size"].map(best["server"]), best_tps=top["batch_size"].map(best["output_throughput_tps"]))
+    top = top.assign(gain=top["predicted_tps"] / top["best_tps"] - 1.0)
+    return top[top["gain"] > MODEL_MARGIN].sort_values("batch_size")[columns].reset_index(drop=True)
+
+
+def budget_for(cells: int, total: int) -> float:
+    """The smallest budget, in steps of 0.05, that covers `cells` of `total`."""
+    return min(1.0, round(math.ceil(20 * cells / total - 1e-9) / 20, 2))
+
+
 Measure = Callable[[list[tuple[str, int]]], "tuple[pd.DataFrame, Speeds] | None"]
 
 
@@ -144,7 +170,14 @@ def guide(grid: pd.DataFrame, measure: Measure, budget: float, seed: int = 0, lo
     result = GuidedResult(measured, rounds, stopped, limit, total)
     if done is not None:
         result.recommendation = best_measured(done[0])
-        log(f"guided sweep {stopped}: {len(measured)} of {total} cells measured ({len(measured) / total:.0%}), {rounds} guided rounds")
+        why = "at the budget" if stopped == "budget" else "stable: no unmeasured cell can beat the best measured"
+        log(f"guided sweep stopped ({why}): {len(measured)} of {total} cells measured ({len(measured) / total:.0%}), "
+            f"{rounds} guided round{'' if rounds == 1 else 's'}")
+        if stopped == "budget":
+            result.expected_better = expected_better(done[0], grid, set(measured), done[1])
+        for r in result.expected_better.itertuples():
+            log(f"  batch {r.batch_size}: the model expects {r.server} (not measured) {r.gain:+.0%} over the best measured, "
+                f"{r.best_server} ({r.best_tps:.0f} tok/s)")
     return result
 
 
@@ -181,10 +214,17 @@ def run_guided(plan, root, *, budget: float, resume: bool = False, seed: int = 0
         return run.cells, request_speeds(run.requests)
 
     result = guide(plan_grid(plan), measure, budget, seed, log=say)
+    if len(result.expected_better):
+        more = budget_for(len(result.measured) + len(result.expected_better), result.total_cells)
+        say(f"  the budget ran out before they were measured (the answer is the best measured cell); to go on: "
+            f"spectune sweep --resume {root} --budget {more:.2f}")
     store = RunStore.open(root)
     store.manifest["guided"] = {"budget": budget, "budget_cells": result.budget_cells, "total_cells": result.total_cells,
                                 "measured": [[s, b] for s, b in result.measured], "rounds": result.rounds, "stopped": result.stopped,
-                                "seed": seed}
+                                "seed": seed, "expected_better": [
+                                    {"batch_size": int(r.batch_size), "server": r.server, "predicted_tps": round(float(r.predicted_tps), 2),
+                                     "best_server": r.best_server, "best_tps": round(float(r.best_tps), 2)}
+                                    for r in result.expected_better.itertuples()]}
     if not total.interrupted:
         store.manifest["status"] = "complete"  # every cell the guided sweep chose is measured
         store.manifest["finished_at"] = store.manifest.get("updated_at")

@@ -38,7 +38,8 @@ def build_summary(results: Path, report_files: list[Path] = ()) -> Summary:
 def _row(r) -> tuple[str, ...]:
     ci = f"[{r.speedup_ci_low:.2f}, {r.speedup_ci_high:.2f}]" if _finite(r.speedup_ci_low) else "-"
     is_target = r.method == "target-only"
-    clear = "yes" if r.is_clear else ("no CI" if not _finite(r.speedup_ci_low) and not is_target else "within noise")
+    clear = "yes" if r.is_clear else ("no CI" if not _finite(r.speedup_ci_low) and not is_target
+                                      else "within noise" if r.compared else "not compared")
     return (str(r.batch_size), str(r.method), str(r.steps), f"{r.speedup:.2f}x", ci, clear,
             f"{r.acceptance_rate:.2f}" if _finite(r.acceptance_rate) else "-",
             f"{r.acceptance_length:.2f}" if _finite(r.acceptance_length) else "-")
@@ -78,8 +79,14 @@ CAPTION = ("speedup: output tokens/s vs target-only at that batch size, geometri
            "clear?: the CI excludes 1; acceptance: accepted / proposed drafts; accept. length: tokens per verify round")
 
 
+def caption(summary: Summary) -> str:
+    if any(r[5] == "not compared" for r in summary.rows):
+        return CAPTION + "; not compared: no speculative server was measured at that batch size"
+    return CAPTION
+
+
 def plain_text(summary: Summary) -> str:
-    lines = [TITLE, CAPTION]
+    lines = [TITLE, caption(summary)]
     if summary.rows:
         widths = [max(len(c), *(len(r[i]) for r in summary.rows)) for i, c in enumerate(COLUMNS)]
         lines.append("  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)).rstrip())
@@ -98,7 +105,7 @@ def plain_text(summary: Summary) -> str:
 def print_rich(summary: Summary, console) -> None:
     from rich.table import Table
 
-    table = Table(title=TITLE, caption=CAPTION, title_justify="left", caption_justify="left")
+    table = Table(title=TITLE, caption=caption(summary), title_justify="left", caption_justify="left")
     for i, c in enumerate(COLUMNS):
         table.add_column(c, justify="right" if i in (0, 2, 3, 6, 7) else "left")
     for r in summary.rows:

@@ -214,7 +214,9 @@ def test_recommendation_picks_the_fastest_server_per_batch_size_and_target_only_
     assert small["speedup_ci_low"] > 1 and small["is_clear"]
     large = rec.loc[8]  # draft-g4 measured 0.9x there: target-only is the answer, not clearly (its CI spans 1)
     assert large["method"] == "target-only" and large["steps"] == 0 and large["speedup"] == 1.0
-    assert not large["is_clear"]
+    assert not large["is_clear"] and large["compared"] and small["compared"]
+    no_spec_at_8 = recommendation_table(cells[~(cells["is_speculative"] & (cells["batch_size"] == 8))]).set_index("batch_size")
+    assert no_spec_at_8.loc[8, "method"] == "target-only" and not no_spec_at_8.loc[8, "compared"]  # nothing to compare with
     adaptive = cells.assign(adaptive_config=np.where(cells["server"] == "draft-g4", "a.json", None))
     assert recommendation_table(adaptive).set_index("batch_size").loc[1, "server"] == "ngram-g3"
 

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from spectune.errors import SpectuneError
-from spectune.guided import best_measured, guide, next_pairs, seed_pairs
+from spectune.guided import MODEL_MARGIN, best_measured, budget_for, guide, next_pairs, seed_pairs
 from sweep_helpers import TINY_NGRAM_PLAN
 from synthetic_sweep import SYNTHETIC_PROFILES, synthetic_cells
 
@@ -60,6 +60,27 @@ def test_guided_stops_at_the_budget_and_never_beyond(cells, grid):
     assert result.stopped == "budget" and len(result.measured) == int(budget * len(grid))
 
 
+def test_where_the_budget_runs_out_the_cells_the_model_expects_faster_are_named(cells, grid):
+    lines: list[str] = []
+    result = guide(grid, _replay(cells), budget=len(seed_pairs(grid, 0)) / len(grid), seed=0, log=lines.append)
+    assert result.stopped == "budget" and result.rounds == 0  # the seeds take the whole budget
+    better = result.expected_better
+    assert len(better) and not set(zip(better["server"], better["batch_size"])) & set(result.measured)
+    assert (better["predicted_tps"] > better["best_tps"] * (1 + MODEL_MARGIN)).all()
+    picks = result.recommendation.set_index("batch_size")["server"]
+    assert (better["best_server"] == better["batch_size"].map(picks)).all()
+    truth = cells.groupby(["server", "batch_size"])["output_throughput_tps"].mean()
+    faster = [truth[(r.server, r.batch_size)] > truth[(r.best_server, r.batch_size)] for r in better.itertuples()]
+    assert sum(faster) > len(faster) / 2  # the model knows the synthetic truth's shape: mostly right
+    assert any(f"batch {better['batch_size'].iloc[0]}: the model expects {better['server'].iloc[0]} (not measured)" in line for line in lines)
+    stable = guide(grid, _replay(cells), budget=1.0, seed=0, log=lambda _: None)
+    assert stable.stopped == "stable" and stable.expected_better.empty
+
+
+def test_budget_for_rounds_up_to_a_twentieth():
+    assert budget_for(9, 12) == 0.75 and budget_for(12, 45) == 0.3 and budget_for(45, 45) == 1.0
+
+
 def test_next_cells_are_the_ones_predicted_to_beat_the_measured_best(cells, grid):
     seeds = seed_pairs(grid, seed=0)
     measured, _ = _replay(cells)(seeds)
@@ -95,16 +116,36 @@ GUIDED_PLAN = TINY_NGRAM_PLAN.replace("batch_sizes = [1, 2]", "batch_sizes = [1,
     "num_speculative_tokens = [2]", "num_speculative_tokens = [1, 2, 3]")
 
 
-def test_a_guided_sweep_on_the_embedded_engine_measures_only_the_cells_it_chose(tmp_path, spectune_cmd):
+def test_a_guided_sweep_on_the_embedded_engine_measures_only_the_cells_it_chose_and_resumes_with_more_budget(tmp_path, spectune_cmd):
     import json
     import subprocess
 
+    from spectune.report.data import collect
+    from spectune.report.render import header_items, headline
     from spectune.store import load_run
 
     plan = tmp_path / "guided.toml"
     plan.write_text(GUIDED_PLAN)
     out = tmp_path / "run"
-    done = subprocess.run([*spectune_cmd, "sweep", str(plan), "--no-tune", "--no-report", "--out", str(out)],
+    # --budget 0.5 over the plan's 0.75: the 6 seed cells only, then --resume with the plan's budget goes on
+    first = subprocess.run([*spectune_cmd, "sweep", str(plan), "--no-tune", "--no-report", "--out", str(out), "--budget", "0.5"],
+                           capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stdout + first.stderr
+    guided = json.loads((out / "run.json").read_text())["guided"]
+    assert guided["stopped"] == "budget" and guided["rounds"] == 0 and len(guided["measured"]) == 6
+    seeded = load_run(out).cells.set_index("cell")[["output_throughput_tps", "server_pid"]]
+    for better in guided["expected_better"]:  # named, not measured
+        assert [better["server"], better["batch_size"]] not in guided["measured"] and better["predicted_tps"] > better["best_tps"]
+    if guided["expected_better"]:
+        assert f"spectune sweep --resume {out} --budget" in first.stdout + first.stderr
+    assert "not compared: no speculative server was measured at that batch size" in first.stdout
+    # the seeds measured no speculative cell at batch 2: the answer there is target-only, and says why
+    data = collect(out)
+    compared = data.recommendation.set_index("batch_size")["compared"]
+    assert compared.to_dict() == {1: True, 2: False, 4: True}
+    assert "At batch size 2 no speculative server was measured: target-only until one is." in headline(data)
+
+    done = subprocess.run([*spectune_cmd, "sweep", "--resume", str(out), "--no-tune", "--no-report"],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     guided = json.loads((out / "run.json").read_text())["guided"]
@@ -115,3 +156,6 @@ def test_a_guided_sweep_on_the_embedded_engine_measures_only_the_cells_it_chose(
     cells = load_run(out).cells
     assert set(zip(cells["server"], cells["batch_size"].astype(int))) == measured  # nothing else measured
     assert (cells["status"] == "ok").all() and guided["rounds"] == len(measured) - 6
+    pd.testing.assert_frame_equal(cells.set_index("cell").loc[seeded.index, seeded.columns], seeded)  # the seeds kept, not re-measured
+    header = dict(header_items(collect(out)))
+    assert header["guided sweep"].startswith(f"{len(measured)} of 12 (server, batch size) cells measured (budget 0.75: seed cells, then {len(measured) - 6} chosen by the cost model)")

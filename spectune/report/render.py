@@ -98,7 +98,8 @@ def recommendation_table(data: ReportData) -> Table:
     rows = []
     for r in data.recommendation.itertuples():
         if r.method == "target-only":
-            why = "speculation was clearly slower" if r.is_clear else "no speculative server measured faster"
+            why = ("speculation was clearly slower" if r.is_clear else "no speculative server measured faster" if r.compared
+                   else "no speculative server measured at this batch size")
             rows.append([str(r.batch_size), "target-only (no speculation)", "–", f"1× ({why})", "", "", str(r.server)])
             continue
         noise = "" if r.is_clear else ", within noise"
@@ -130,8 +131,12 @@ def headline(data: ReportData) -> str:
     if not unclear.empty:
         sizes = ", ".join(str(b) for b in unclear["batch_size"])
         text += f" At batch size{'s' if len(unclear) > 1 else ''} {sizes} the gain is within run-to-run noise."
-    if not losses.empty:
-        text += f" At batch size{'s' if len(losses) > 1 else ''} {', '.join(str(b) for b in losses['batch_size'])}, serve without speculation."
+    slower, unmeasured = losses[losses["compared"].astype(bool)], losses[~losses["compared"].astype(bool)]
+    if not slower.empty:
+        text += f" At batch size{'s' if len(slower) > 1 else ''} {', '.join(str(b) for b in slower['batch_size'])}, serve without speculation."
+    if not unmeasured.empty:
+        sizes = ", ".join(str(b) for b in unmeasured["batch_size"])
+        text += f" At batch size{'s' if len(unmeasured) > 1 else ''} {sizes} no speculative server was measured: target-only until one is."
     return text
 
 
@@ -310,6 +315,7 @@ def header_items(data: ReportData) -> list[tuple[str, str]]:
                      + (f" from start to end, resumed {len(m['resumed_at'])}x" if m.get("resumed_at") else "")
                      + (" from the first run's start to the last's end" if m.get("merged_from") else "")),
         ("merged from", _merged(m.get("merged_from") or [])),
+        ("guided sweep", _guided(m.get("guided") or {})),
         ("spectune", f"{m.get('spectune_version', '')} (git {str(m.get('git_sha') or 'unknown')[:10]})"),
     ]
     return [(k, v) for k, v in items if v.strip()]
@@ -329,6 +335,25 @@ def _merged(runs: list[dict]) -> str:
     parts = [f"{Path(str(r.get('path', '?'))).name} ({_when(r.get('started_at'), r.get('finished_at'))}; repeats "
              f"{r['repeats'][0]}-{r['repeats'][1]})" for r in runs]
     return f"{len(runs)} runs (spectune merge): " + ", ".join(parts)
+
+
+def _guided(guided: dict) -> str:
+    """'28 of 114 (server, batch size) cells measured (budget 0.25: ...)' for a run of spectune sweep --budget."""
+    if not guided:
+        return ""
+    text = (f"{len(guided.get('measured', []))} of {guided.get('total_cells', '?')} (server, batch size) cells measured "
+            f"(budget {guided.get('budget', '?')}: seed cells, then {guided.get('rounds', 0)} chosen by the cost model); "
+            "the answer is the best measured cell at each batch size; ")
+    if guided.get("stopped") == "stable":
+        return text + "stopped when no unmeasured cell could beat it"
+    better = guided.get("expected_better") or []
+    text += "stopped at the budget"
+    if better:
+        text += ("; the model expects these unmeasured cells to be faster: "
+                 + ", ".join(f"batch {b['batch_size']}: {b['server']} {b['predicted_tps'] / b['best_tps'] - 1:+.0%} over {b['best_server']}"
+                             for b in better)
+                 + " (spectune sweep --resume with a larger --budget measures on)")
+    return text
 
 
 def _when(start: object, end: object) -> str:
