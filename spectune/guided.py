@@ -42,6 +42,8 @@ class GuidedResult:
     total_cells: int
     recommendation: pd.DataFrame = field(default_factory=pd.DataFrame)  # batch_size, server, output_throughput_tps
     expected_better: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=EXPECTED_BETTER_COLUMNS))  # where the budget ran out
+    seed_cells: int = 0  # the seed cells of the plan, measured or not (a budget smaller than them cuts them short)
+    unseeded: list[str] = field(default_factory=list)  # methods with no cell measured: the budget ran out in the seeds
 
 
 def grid_pairs(servers: pd.DataFrame, batch_sizes: list[int]) -> pd.DataFrame:
@@ -153,8 +155,14 @@ def guide(grid: pd.DataFrame, measure: Measure, budget: float, seed: int = 0, lo
         raise SpectuneError(f"budget {budget}: must be a share of the plan's cells in (0, 1], e.g. 0.25")
     total = len(grid)
     limit = max(1, math.floor(budget * total))
-    seeds = seed_pairs(grid, seed)[:limit]
+    all_seeds = seed_pairs(grid, seed)
+    seeds = all_seeds[:limit]
     log(f"guided sweep: {len(seeds)} seed cells, then the model's choices; budget {limit} of {total} (server, batch size) cells")
+    method_of = grid.drop_duplicates("server").set_index("server")["method"]
+    unseeded = sorted(set(grid["method"].dropna()) - {method_of[s] for s, _ in seeds})
+    if unseeded:
+        log(f"  the budget is smaller than the seed cells ({len(all_seeds)}): {', '.join(unseeded)} will have no cell measured; "
+            f"--budget {budget_for(len(all_seeds), total):.2f} measures every method")
     measured: list[tuple[str, int]] = list(seeds)
     done = measure(seeds)
     rounds, stopped = 0, "budget"
@@ -167,7 +175,7 @@ def guide(grid: pd.DataFrame, measure: Measure, budget: float, seed: int = 0, lo
         log(f"guided round {rounds}: measuring {', '.join(f'{s} at batch {b}' for s, b in chosen)}")
         measured += chosen
         done = measure(chosen)
-    result = GuidedResult(measured, rounds, stopped, limit, total)
+    result = GuidedResult(measured, rounds, stopped, limit, total, seed_cells=len(all_seeds), unseeded=unseeded)
     if done is not None:
         result.recommendation = best_measured(done[0])
         why = "at the budget" if stopped == "budget" else "stable: no unmeasured cell can beat the best measured"
@@ -214,14 +222,14 @@ def run_guided(plan, root, *, budget: float, resume: bool = False, seed: int = 0
         return run.cells, request_speeds(run.requests)
 
     result = guide(plan_grid(plan), measure, budget, seed, log=say)
-    if len(result.expected_better):
-        more = budget_for(len(result.measured) + len(result.expected_better), result.total_cells)
-        say(f"  the budget ran out before they were measured (the answer is the best measured cell); to go on: "
-            f"spectune sweep --resume {root} --budget {more:.2f}")
+    if len(result.expected_better) or result.unseeded:
+        more = budget_for(max(result.seed_cells, len(result.measured)) + len(result.expected_better), result.total_cells)
+        say(f"  the budget ran out before {'they were' if len(result.expected_better) else 'every method was'} measured "
+            f"(the answer is the best measured cell); to go on: spectune sweep --resume {root} --budget {more:.2f}")
     store = RunStore.open(root)
     store.manifest["guided"] = {"budget": budget, "budget_cells": result.budget_cells, "total_cells": result.total_cells,
                                 "measured": [[s, b] for s, b in result.measured], "rounds": result.rounds, "stopped": result.stopped,
-                                "seed": seed, "expected_better": [
+                                "seed": seed, "seed_cells": result.seed_cells, "unseeded_methods": result.unseeded, "expected_better": [
                                     {"batch_size": int(r.batch_size), "server": r.server, "predicted_tps": round(float(r.predicted_tps), 2),
                                      "best_server": r.best_server, "best_tps": round(float(r.best_tps), 2)}
                                     for r in result.expected_better.itertuples()]}

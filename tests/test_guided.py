@@ -8,6 +8,7 @@ import pytest
 
 from spectune.errors import SpectuneError
 from spectune.guided import MODEL_MARGIN, best_measured, budget_for, guide, next_pairs, seed_pairs
+from spectune.report.render import guided_text
 from sweep_helpers import TINY_NGRAM_PLAN
 from synthetic_sweep import SYNTHETIC_PROFILES, synthetic_cells
 
@@ -75,6 +76,20 @@ def test_where_the_budget_runs_out_the_cells_the_model_expects_faster_are_named(
     assert any(f"batch {better['batch_size'].iloc[0]}: the model expects {better['server'].iloc[0]} (not measured)" in line for line in lines)
     stable = guide(grid, _replay(cells), budget=1.0, seed=0, log=lambda _: None)
     assert stable.stopped == "stable" and stable.expected_better.empty
+
+
+def test_a_budget_smaller_than_the_seeds_says_which_methods_get_no_cell(cells, grid):
+    other = pd.DataFrame({"server": ["zother-g1", "zother-g2"], "method": ["zother"] * 2, "g": [1, 2]})
+    wider = pd.concat([grid, other.merge(grid[["batch_size"]].drop_duplicates(), how="cross")], ignore_index=True)
+    seeds = seed_pairs(grid, 0)  # the first method's seeds come first; zother's would follow
+    lines: list[str] = []
+    result = guide(wider, _replay(cells), budget=len(seeds) / len(wider), seed=0, log=lines.append)
+    assert result.unseeded == ["zother"] and result.seed_cells == len(seed_pairs(wider, 0)) == len(seeds) + 3
+    assert set(result.measured) == set(seeds)
+    assert any(f"the budget is smaller than the seed cells ({len(seeds) + 3}): zother will have no cell measured" in line for line in lines)
+    header = guided_text({"measured": result.measured, "total_cells": len(wider), "budget": 0.2, "rounds": 0, "stopped": "budget",
+                      "seed_cells": result.seed_cells, "unseeded_methods": result.unseeded})
+    assert f"no cell of zother was measured (the budget was smaller than the {len(seeds) + 3} seed cells)" in header
 
 
 def test_budget_for_rounds_up_to_a_twentieth():

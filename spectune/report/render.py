@@ -315,7 +315,7 @@ def header_items(data: ReportData) -> list[tuple[str, str]]:
                      + (f" from start to end, resumed {len(m['resumed_at'])}x" if m.get("resumed_at") else "")
                      + (" from the first run's start to the last's end" if m.get("merged_from") else "")),
         ("merged from", _merged(m.get("merged_from") or [])),
-        ("guided sweep", _guided(m.get("guided") or {})),
+        ("guided sweep", guided_text(m.get("guided") or {})),
         ("spectune", f"{m.get('spectune_version', '')} (git {str(m.get('git_sha') or 'unknown')[:10]})"),
     ]
     return [(k, v) for k, v in items if v.strip()]
@@ -337,7 +337,7 @@ def _merged(runs: list[dict]) -> str:
     return f"{len(runs)} runs (spectune merge): " + ", ".join(parts)
 
 
-def _guided(guided: dict) -> str:
+def guided_text(guided: dict) -> str:
     """'28 of 114 (server, batch size) cells measured (budget 0.25: ...)' for a run of spectune sweep --budget."""
     if not guided:
         return ""
@@ -348,6 +348,9 @@ def _guided(guided: dict) -> str:
         return text + "stopped when no unmeasured cell could beat it"
     better = guided.get("expected_better") or []
     text += "stopped at the budget"
+    if guided.get("unseeded_methods"):
+        text += (f"; no cell of {', '.join(guided['unseeded_methods'])} was measured (the budget was smaller than the "
+                 f"{guided.get('seed_cells', '?')} seed cells)")
     if better:
         text += ("; the model expects these unmeasured cells to be faster: "
                  + ", ".join(f"batch {b['batch_size']}: {b['server']} {b['predicted_tps'] / b['best_tps'] - 1:+.0%} over {b['best_server']}"
