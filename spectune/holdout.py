@@ -3,7 +3,8 @@
 Two ways to hold cells out, per engine + method:
 - leave one step count out: the fit sees every batch size, but no cell at the held-out g (target-only kept);
 - leave one batch size out: the fit sees target-only at every batch size (a guided sweep always measures it) but no
-  speculative cell at the held-out one, whose draft terms then come from the neighbouring batch sizes.
+  speculative cell at the held-out one, whose draft terms then come from the neighbouring batch sizes (two at least:
+  a method measured at two batch sizes, as a guided sweep's seeds leave it, is not held out this way).
 
 A cell here is one (server, batch size), its measured figures the mean over repeats. Three figures are predicted from
 the fit's ms per token (RoundCost.ms_per_token, anchored on target-only's measured ms per token at that batch size,
@@ -50,6 +51,12 @@ ANCHOR_NOTE = ("target-only's ms per token, which every prediction at its batch 
                "the servers ran one after another, so its cell at one batch size ran at a moment of the host that no "
                "speculative cell shared")
 HOLDOUTS = ("step_count", "batch_size")
+# Values a method needs measured to hold one out: a step count leaves one g beside target-only's g = 0 (a line in g);
+# a batch size must leave two, to carry the draft terms along batch size (from one, the terms of batch 32 land on 1).
+MIN_VALUES = {"step_count": 2, "batch_size": 3}
+NOT_COMPUTED = {"step_count": "no method measured at two step counts at one batch size",
+                "batch_size": "no method measured at three batch sizes or more: leaving one out must leave two to carry "
+                              "the draft terms along batch size"}
 # What each way of holding out is called where it is printed; "_inside" rows cover only the held-out values between the
 # smallest and largest measured one of their method, which the fit interpolates (the others it extrapolates).
 HOLDOUT_NAMES = {"step_count": "leave one step count out", "batch_size": "leave one batch size out",
@@ -60,7 +67,8 @@ HOLDOUT_NAMES = {"step_count": "leave one step count out", "batch_size": "leave 
 def holdout_predictions(cells: pd.DataFrame, speeds: Speeds | None = None, side_by_side: bool = True) -> pd.DataFrame:
     """One row per held-out cell and way of holding out: holdout, engine, method, server, batch_size, g, extrapolated
     (the held-out value is its method's smallest or largest: the fit extrapolates to it), and per metric predicted_<m>,
-    measured_<m>, <m>_abs_pct_error. Empty where no method has two step counts and two batch sizes. With the requests'
+    measured_<m>, <m>_abs_pct_error. A method is held out by step count where it has two (a held-out g's cells
+    only at batch sizes where it kept a cell) and by batch size where it has three (MIN_VALUES). With the requests'
     speeds (spectune.drain.request_speeds) the fit is on steady throughput and each held-out closed-loop cell's
     predicted tok/s and speedup are scaled by its drain, from the speeds of the cells the fit saw. side_by_side False
     (servers measured one after another, not plan.interleave): target-only's anchor is smoothed over batch sizes
@@ -77,17 +85,21 @@ def holdout_predictions(cells: pd.DataFrame, speeds: Speeds | None = None, side_
         others = usable.drop(index=spec.index)
         for holdout, column in (("step_count", "num_speculative_tokens"), ("batch_size", "batch_size")):
             values = sorted(spec[column].unique())
-            if len(values) < 2:
+            if len(values) < MIN_VALUES[holdout]:
                 continue
             for value in values:
-                held = spec[spec[column] == value]
-                train = pd.concat([others, spec[spec[column] != value]])
+                held, kept = spec[spec[column] == value], spec[spec[column] != value]
+                if holdout == "step_count":  # a batch size the method kept no cell at is a batch size held out, not a g
+                    held = held[held["batch_size"].isin(kept["batch_size"])]
+                if held.empty:
+                    continue
+                train = pd.concat([others, kept])
                 try:
                     fit, steady = fit_steady(train, speeds, engine=engine, method=method)
                 except SpectuneError:
                     continue  # too little left to fit (e.g. no target-only at any remaining batch size)
                 drain = (lambda bs, g, n: predicted_drain(fit, train, speeds, bs, g, n)) if speeds else None
-                decode = decode_ratio(fit, spec[spec[column] != value], speeds)
+                decode = decode_ratio(fit, kept, speeds)
                 for r in _predict(fit, steady, usable, measured_target, held, holdout, decode, drain):
                     rows.append({**r, "extrapolated": value in (values[0], values[-1])})
     return pd.DataFrame(rows)
@@ -162,10 +174,12 @@ def mean_error_pct(mean: float, sd: float, n: int) -> float:
 
 def holdout_lines(report: dict[str, object]) -> list[str]:
     """One console line per way of holding out, over all methods."""
-    if not report.get("summary"):
-        return ["held-out error: not computed (no method measured two step counts or two batch sizes with target-only)"]
-    lines = []
-    for row in report["summary"]:
+    summary = report.get("summary") or []
+    lines = [f"held-out error, {HOLDOUT_NAMES[h]}: not computed ({NOT_COMPUTED[h]})"
+             for h in HOLDOUTS if not any(row["holdout"] == h for row in summary)]
+    if not summary:
+        return lines
+    for row in summary:
         if row["method"] != "all":
             continue
         what = HOLDOUT_NAMES.get(row["holdout"], row["holdout"])

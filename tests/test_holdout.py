@@ -84,7 +84,30 @@ def test_the_held_out_values_inside_the_measured_range_are_summarised_apart_from
 def test_held_out_error_is_reported_as_not_computed_with_one_step_count():
     cells = synthetic_cells(steps=(2,), profiles={"quote": SYNTHETIC_PROFILES["quote"]})
     cells = cells[cells["batch_size"] == 4]
-    assert holdout_lines(holdout_report(cells))[0].startswith("held-out error: not computed")
+    lines = holdout_lines(holdout_report(cells))
+    assert lines[0].startswith("held-out error, leave one step count out: not computed (no method measured at two step counts")
+    assert lines[1].startswith("held-out error, leave one batch size out: not computed (no method measured at three batch sizes")
+
+
+def test_a_guided_sweeps_seeds_are_held_out_only_where_the_fit_keeps_what_predicts_them():
+    # the seeds of a guided sweep: two step counts at the smallest batch size, the lower one again at the largest
+    cells = synthetic_cells(steps=(1, 2, 3), profiles={"quote": SYNTHETIC_PROFILES["quote"]})
+    spec = cells["is_speculative"].astype(bool)
+    seeds = ((cells["batch_size"] == 1) & cells["num_speculative_tokens"].isin([1, 3])) | ((cells["batch_size"] == 16) & (cells["num_speculative_tokens"] == 1))
+    cells = cells[~spec | seeds]
+    held = holdout_predictions(cells)
+    # two batch sizes: leaving one out would carry batch 16's draft terms to batch 1 (or back); not held out that way
+    assert "batch_size" not in set(held["holdout"])
+    # g = 1 held out keeps g = 3 at batch 1 but nothing at batch 16: only its batch-1 cell is a step count held out
+    by_g = held[held["holdout"] == "step_count"]
+    assert sorted(zip(by_g["g"], by_g["batch_size"])) == [(1, 1), (3, 1)]
+    lines = holdout_lines(holdout_report(cells))
+    assert lines[0].startswith("held-out error, leave one batch size out: not computed")
+    assert any(line.startswith("held-out error, leave one step count out (2 cells)") for line in lines)
+    # a third batch size measured: leave one batch size out is computed again
+    full = synthetic_cells(steps=(1, 2, 3), profiles={"quote": SYNTHETIC_PROFILES["quote"]})
+    third = full[full["is_speculative"].astype(bool) & (full["batch_size"] == 4) & (full["num_speculative_tokens"] == 1)]
+    assert "batch_size" in set(holdout_predictions(pd.concat([cells, third], ignore_index=True))["holdout"])
 
 
 def test_acceptance_interval_widens_with_spread_and_brackets_the_speedup():

@@ -154,6 +154,9 @@ def test_report_after_tune_includes_the_tuning_results(run, tuned, tmp_path, spe
     assert tuning["holdout"]["noise_floor_one_launch"] is True and "relaunch = true in the plan" in section
     # two batch sizes: target-only's anchor has nothing to be smoothed over, and the report does not say it was
     assert tuning["holdout"]["anchor_smoothed"] is False and "smoothed over batch sizes" not in section
+    # nor a batch size held out: leaving one of two would carry the other's draft terms over; the report says why
+    assert not any(r["holdout"] == "batch_size" for r in tuning["holdout"]["summary"])
+    assert "Leave one batch size out: not computed (no method measured at three batch sizes or more" in section
 
 
 def test_report_shows_deploy_commands_verdict_and_exhaustive_from_tuning_json(tuned, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from spectune.holdout import ANCHOR_NOTE, NOISE_FLOOR_MEANING, ONE_LAUNCH_NOTE
+from spectune.holdout import ANCHOR_NOTE, HOLDOUT_NAMES, HOLDOUTS, NOISE_FLOOR_MEANING, NOT_COMPUTED, ONE_LAUNCH_NOTE
 from spectune.report.data import ReportData
 from spectune.report.plots import Plot
 
@@ -204,17 +204,19 @@ def holdout_table(data: ReportData) -> Table:
 
 
 def holdout_noise(data: ReportData) -> str:
-    """Sentences under the held-out table: its noise floor (spectune.holdout.noise_floor) and, where it was smoothed,
-    target-only's anchor; empty where neither applies."""
+    """Sentences under the held-out table: a way of holding out it lacks and why, its noise floor
+    (spectune.holdout.noise_floor) and, where it was smoothed, target-only's anchor; empty where none applies."""
     t = data.tuning
     if t is None:
         return ""
+    done = set(t.holdout["holdout"]) if "holdout" in t.holdout else set()
+    missing = " ".join(f"{HOLDOUT_NAMES[h].capitalize()}: not computed ({NOT_COMPUTED[h]})." for h in HOLDOUTS if done and h not in done)
     anchor = f"Here {ANCHOR_NOTE}." if t.holdout_anchor_smoothed else ""
-    if math.isnan(t.holdout_noise_pct):
-        return anchor
-    note = f" Here {ONE_LAUNCH_NOTE}." if t.holdout_one_launch else ""
-    floor = f"Noise floor: {t.holdout_noise_pct:.1f}%. {NOISE_FLOOR_MEANING[0].upper()}{NOISE_FLOOR_MEANING[1:]}.{note}"
-    return f"{floor} {anchor}".rstrip()
+    floor = ""
+    if not math.isnan(t.holdout_noise_pct):
+        note = f" Here {ONE_LAUNCH_NOTE}." if t.holdout_one_launch else ""
+        floor = f"Noise floor: {t.holdout_noise_pct:.1f}%. {NOISE_FLOOR_MEANING[0].upper()}{NOISE_FLOOR_MEANING[1:]}.{note}"
+    return " ".join(part for part in (missing, floor, anchor) if part)
 
 
 def method_tables(data: ReportData) -> list[tuple[str, str, Table]]:
