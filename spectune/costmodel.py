@@ -463,7 +463,7 @@ def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame) -> pd.DataFrame:
         elif len(np.unique(g)) >= 2:
             fixed, fixed_se, slope, se_s = float(t.mean()) - t1, math.nan, 0.0, math.nan
             rmse = float(np.sqrt(np.mean((t - t.mean()) ** 2)))
-        else:  # one step count: no slope to fit, so assume no fixed draft cost
+        else:  # one step count: no slope to fit; split as measured elsewhere (_split_one_step_count), else no fixed cost
             slope = max(0.0, float((t.mean() - t1) / g[0]))
             fixed, fixed_se, se_s = float(t.mean()) - t1 - slope * g[0], math.nan, math.nan
             rmse = float(np.sqrt(np.mean((t - t.mean()) ** 2)))
@@ -483,7 +483,27 @@ def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame) -> pd.DataFrame:
         )
     if not rows:
         raise SpectuneError("cells: no batch size has both target-only and speculative cells; add a target-only server to the sweep")
-    return pd.DataFrame(rows).sort_values("batch_size", ignore_index=True)
+    return _split_one_step_count(pd.DataFrame(rows).sort_values("batch_size", ignore_index=True))
+
+
+def _split_one_step_count(table: pd.DataFrame) -> pd.DataFrame:
+    """At a batch size with one step count measured, split its draft cost into fixed and per step as the nearest batch
+    size (in log batch size) that measured a line in g did (its fixed ms per per-step ms); with none, all per step.
+    One step count cannot tell a drafter whose cost is one pass (dflash's block) from one whose cost is one pass per
+    draft (EAGLE, a draft model), and the guided sweep's seeds leave the largest batch size at one step count."""
+    lines = table[table["steps_measured"].str.contains(",") & (table["per_step_ms"] > 0) & (table["draft_fixed_ms"] >= 0)]
+    if lines.empty:
+        return table
+    out = table.copy()
+    for i in table.index[~table["steps_measured"].str.contains(",")]:
+        g, bs = float(table.at[i, "steps_measured"]), float(table.at[i, "batch_size"])
+        near = lines.loc[(np.log2(lines["batch_size"].astype(float)) - math.log2(bs)).abs().idxmin()]
+        ratio = float(near["draft_fixed_ms"] / near["per_step_ms"])  # fixed cost in draft positions' worth
+        draft = float(table.at[i, "draft_fixed_ms"] + table.at[i, "per_step_ms"] * g)
+        if draft > 0:
+            out.at[i, "per_step_ms"] = draft / (ratio + g)
+            out.at[i, "draft_fixed_ms"] = ratio * draft / (ratio + g)
+    return out
 
 
 def ms_per_token(cells: pd.DataFrame) -> pd.Series:

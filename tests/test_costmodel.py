@@ -10,6 +10,7 @@ import pytest
 
 from spectune.costmodel import (
     AcceptanceProfile,
+    RoundCost,
     breakeven_batch_size,
     expected_tokens,
     expected_tokens_per_pos,
@@ -99,6 +100,24 @@ def test_fit_recovers_synthetic_round_cost_with_honest_uncertainty():
         assert 0 < row["per_step_se_ms"] < 0.1 * SYNTHETIC_COST.per_step_ms[i]
     # The failing cells (nonsense TPOT) are excluded, listed with their reason, and did not bend the fit.
     assert sorted(fit.excluded["reason"]) == ["failure_rate > 0.05", "status failed"]
+
+
+def test_one_step_count_at_a_batch_size_is_split_as_the_nearest_line_in_g_was():
+    # a block drafter (SYNTHETIC): one pass drafts the block, so most of its cost is fixed, 4 positions' worth everywhere
+    block = RoundCost(batch_sizes=(1, 2, 4, 8, 16), target_ms=(10.0, 10.6, 11.8, 14.5, 20.0),
+                      draft_fixed_ms=(4.0, 4.8, 6.4, 9.6, 16.0), per_step_ms=(1.0, 1.2, 1.6, 2.4, 4.0))
+    cells = synthetic_cells(cost=block, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, noise=0.0)
+    g, bs = cells["num_speculative_tokens"], cells["batch_size"]
+    # a guided sweep's seeds: g = 1 and 3 at the smallest batch size, g = 1 again at the largest
+    seeds = ~cells["is_speculative"].astype(bool) | ((bs == 1) & g.isin([1, 3])) | ((bs == 16) & (g == 1))
+    fit = fit_sweep(cells[seeds & (cells["status"] == "ok")])
+    row = fit.table.set_index("batch_size").loc[16]
+    assert row["draft_fixed_ms"] == pytest.approx(16.0, rel=0.01) and row["per_step_ms"] == pytest.approx(4.0, rel=0.01)
+    # so g = 3 at batch 16 costs what it does; all per step, as before, it was charged 3 x 20 ms of drafting
+    assert fit.cost.t_round(16, 3) == pytest.approx(block.t_round(16, 3), rel=0.01)
+    # with no line in g anywhere, all of it stays per step
+    only_one = cells[seeds & (cells["status"] == "ok") & ~((bs == 1) & (g == 3))]
+    assert fit_sweep(only_one).table.set_index("batch_size").loc[16, "draft_fixed_ms"] == pytest.approx(0.0, abs=1e-9)
 
 
 def test_fit_defaults_to_the_method_that_measured_fastest_not_the_most_measured():
