@@ -132,6 +132,7 @@ GUIDED_PLAN = TINY_NGRAM_PLAN.replace("batch_sizes = [1, 2]", "batch_sizes = [1,
 
 
 def test_a_guided_sweep_on_the_embedded_engine_measures_only_the_cells_it_chose_and_resumes_with_more_budget(tmp_path, spectune_cmd):
+    import dataclasses
     import json
     import subprocess
 
@@ -158,7 +159,12 @@ def test_a_guided_sweep_on_the_embedded_engine_measures_only_the_cells_it_chose_
     data = collect(out)
     compared = data.recommendation.set_index("batch_size")["compared"]
     assert compared.to_dict() == {1: True, 2: False, 4: True}
+    # whether or not n-gram beat target-only where it was measured, batch 2 is neither a win nor a loss
     assert "At batch size 2 no speculative server was measured: target-only until one is." in headline(data)
+    assert "1, 2, 4" not in headline(data)
+    lost = dataclasses.replace(data, recommendation=data.recommendation.assign(method="target-only"))  # n-gram lost at 1, 4
+    assert headline(lost) == ("Speculative decoding did not beat target-only at any batch size it was measured at (1, 4): serve "
+                              "without it. At batch size 2 no speculative server was measured: target-only until one is.")
 
     done = subprocess.run([*spectune_cmd, "sweep", "--resume", str(out), "--no-tune", "--no-report"],
                           capture_output=True, text=True, timeout=900)

@@ -118,26 +118,23 @@ def headline(data: ReportData) -> str:
     losses = rec[rec["method"] == "target-only"]
     if data.speedups.empty:
         return "Only target-only servers were measured: add speculative servers to the plan to compare against them."
-    if wins.empty:
-        return (f"Speculative decoding did not beat target-only at any measured batch size "
-                f"({', '.join(str(b) for b in rec['batch_size'])}): serve without it.")
+    slower, unmeasured = losses[losses["compared"].astype(bool)], losses[~losses["compared"].astype(bool)]
+    sizes = lambda frame: f"batch size{'s' if len(frame) > 1 else ''} {', '.join(str(b) for b in frame['batch_size'])}"
     parts = []
     for (method, steps), group in wins.groupby(["method", "steps"], sort=False):
-        sizes = ", ".join(str(b) for b in group["batch_size"])
-        best = group["speedup"].max()
-        parts.append(f"{method} with g={steps} at batch size{'s' if len(group) > 1 else ''} {sizes} (up to {best:.2f}× target-only)")
-    text = "Use " + "; ".join(parts) + "."
-    unclear = wins[~wins["is_clear"].astype(bool)]
-    if not unclear.empty:
-        sizes = ", ".join(str(b) for b in unclear["batch_size"])
-        text += f" At batch size{'s' if len(unclear) > 1 else ''} {sizes} the gain is within run-to-run noise."
-    slower, unmeasured = losses[losses["compared"].astype(bool)], losses[~losses["compared"].astype(bool)]
-    if not slower.empty:
-        text += f" At batch size{'s' if len(slower) > 1 else ''} {', '.join(str(b) for b in slower['batch_size'])}, serve without speculation."
+        parts.append(f"{method} with g={steps} at {sizes(group)} (up to {group['speedup'].max():.2f}× target-only)")
+    if parts:
+        text = "Use " + "; ".join(parts) + "."
+        if not (unclear := wins[~wins["is_clear"].astype(bool)]).empty:
+            text += f" At {sizes(unclear)} the gain is within run-to-run noise."
+        if not slower.empty:
+            text += f" At {sizes(slower)}, serve without speculation."
+    else:  # only where a speculative server was measured is "serve without it" an answer
+        measured = ", ".join(str(b) for b in slower["batch_size"])
+        text = f"Speculative decoding did not beat target-only at any batch size it was measured at ({measured}): serve without it." if measured else ""
     if not unmeasured.empty:
-        sizes = ", ".join(str(b) for b in unmeasured["batch_size"])
-        text += f" At batch size{'s' if len(unmeasured) > 1 else ''} {sizes} no speculative server was measured: target-only until one is."
-    return text
+        text += f" At {sizes(unmeasured)} no speculative server was measured: target-only until one is."
+    return text.strip()
 
 
 def latency_table(data: ReportData) -> Table:
