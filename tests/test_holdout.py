@@ -8,11 +8,11 @@ import pytest
 
 from spectune.costmodel import AcceptanceProfile, RoundCost, fit_sweep, recommend, server_factors
 from spectune.holdout import holdout_lines, holdout_predictions, holdout_report, holdout_summary, noise_floor, one_launch
-from synthetic_sweep import LINEAR_COST as LINEAR, SYNTHETIC_PROFILES, synthetic_cells
+from synthetic_sweep import SHARE_COST as SHARE, SYNTHETIC_PROFILES, synthetic_cells
 
 
 def test_exact_cells_are_predicted_exactly_out_of_sample():
-    cells = synthetic_cells(cost=LINEAR, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
+    cells = synthetic_cells(cost=SHARE, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
     predictions = holdout_predictions(cells)
     assert set(predictions["holdout"]) == {"step_count", "batch_size"}
     # every static cell is held out once per way; the smallest and largest batch size are extrapolated
@@ -131,14 +131,16 @@ def test_round_cost_extrapolates_batch_size_along_the_nearest_line():
     assert cost.t_round(0.01, 1) >= 0.0
 
 
-def test_draft_terms_are_one_line_in_batch_size_when_the_cells_allow_it():
-    cells = synthetic_cells(cost=LINEAR, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=2, noise=0.03, seed=4)
+def test_draft_terms_are_shares_of_target_only_in_one_line_in_log_batch_size_when_the_cells_allow_it():
+    cells = synthetic_cells(cost=SHARE, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=2, noise=0.03, seed=4)
     fit = fit_sweep(cells)
-    assert (fit.table["draft_terms"] == "joint line in batch size").all()
-    per_step = fit.table.set_index("batch_size")["per_step_ms"]
-    assert np.allclose(np.diff(per_step.to_numpy()) / np.diff(per_step.index.to_numpy(float)), (per_step[16] - per_step[1]) / 15)
-    assert per_step.to_numpy() == pytest.approx(LINEAR.per_step_ms, rel=0.1, abs=0.05)
-    # a cost far from linear in batch size (SYNTHETIC_COST's per-step term) keeps one line in g per batch size
+    assert (fit.table["draft_terms"] == "joint, a share of target-only's round").all()
+    table = fit.table.set_index("batch_size")
+    assert table["per_step_ms"].to_numpy() == pytest.approx(SHARE.per_step_ms, rel=0.1, abs=0.05)
+    for g in (1, 4, 8):
+        assert fit.cost.t_round(np.array(SHARE.batch_sizes), g) == pytest.approx(SHARE.t_round(np.array(SHARE.batch_sizes), g), rel=0.05)
+    # a cost far from that form (SYNTHETIC_COST's per-step share grows 0.12 -> 0.45, convex in log batch size) keeps
+    # one line in g per batch size
     assert "draft_terms" not in fit_sweep(synthetic_cells(noise=0.01, seed=1)).table
 
 
@@ -167,9 +169,9 @@ def _paying_per_request(cells, cost: RoundCost, request_ms: dict[int, float], to
 
 
 def test_a_per_request_cost_is_paid_once_per_token_not_once_per_round():
-    request_ms = {1: 0.8, 2: 1.0, 4: 1.4, 8: 2.2, 16: 3.8}  # a third of LINEAR's target_ms
-    cells = _paying_per_request(synthetic_cells(cost=LINEAR, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0),
-                                LINEAR, request_ms)
+    request_ms = {1: 0.8, 2: 1.0, 4: 1.4, 8: 2.2, 16: 3.8}  # about a third of SHARE's target_ms
+    cells = _paying_per_request(synthetic_cells(cost=SHARE, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0),
+                                SHARE, request_ms)
     fit = fit_sweep(cells)
     assert fit.cost.request_ms == pytest.approx(tuple(request_ms.values()))
     held = holdout_predictions(cells)
@@ -186,7 +188,7 @@ def test_acceptance_that_falls_with_the_step_count_is_predicted_at_a_held_out_on
     # SYNTHETIC: a round at step count g accepts each position with S_i x (1 - 0.02 (g - 4)), as correlated acceptance
     # makes it (rounds at large g start after a rejection more often)
     falling = AcceptanceProfile(SYNTHETIC_PROFILES["quote"].rates, trend=-0.02, trend_ref_g=4.0)
-    cells = synthetic_cells(cost=LINEAR, profiles={"quote": falling}, repeats=1, noise=0.0)
+    cells = synthetic_cells(cost=SHARE, profiles={"quote": falling}, repeats=1, noise=0.0)
     fit = fit_sweep(cells)
     assert fit.pooled.trend == pytest.approx(-0.02, rel=0.1)
     for g in (1, 4, 8):
@@ -195,14 +197,14 @@ def test_acceptance_that_falls_with_the_step_count_is_predicted_at_a_held_out_on
     by_g = held[held["holdout"] == "step_count"]
     assert by_g["throughput_abs_pct_error"].max() < 2.0, by_g.sort_values("throughput_abs_pct_error").tail()
     # acceptance constant in g fits no trend
-    assert fit_sweep(synthetic_cells(cost=LINEAR, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)).pooled.trend == pytest.approx(0.0, abs=1e-9)
+    assert fit_sweep(synthetic_cells(cost=SHARE, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)).pooled.trend == pytest.approx(0.0, abs=1e-9)
 
 
 def test_each_batch_size_is_predicted_with_the_acceptance_of_its_own_traffic():
     # SYNTHETIC: batch size 16 sends other prompts, which draft worse
-    cells = synthetic_cells(cost=LINEAR, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
+    cells = synthetic_cells(cost=SHARE, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
     harder = AcceptanceProfile(tuple(0.8 * r for r in SYNTHETIC_PROFILES["quote"].rates))
-    at16 = synthetic_cells(cost=LINEAR, profiles={"quote": harder}, repeats=1, noise=0.0)
+    at16 = synthetic_cells(cost=SHARE, profiles={"quote": harder}, repeats=1, noise=0.0)
     cells = pd.concat([cells[cells["batch_size"] != 16], at16[at16["batch_size"] == 16]], ignore_index=True)
     fit = fit_sweep(cells)
     assert fit.profile("quote", 16).expected_tokens(4) == pytest.approx(harder.expected_tokens(4), rel=0.01)
@@ -217,8 +219,8 @@ def test_a_batch_size_without_speculative_cells_takes_the_acceptance_of_its_meas
     # the larger batch sizes' prompts
     easy = SYNTHETIC_PROFILES["quote"]
     harder = AcceptanceProfile(tuple(0.8 * r for r in easy.rates))
-    small = synthetic_cells(cost=LINEAR, profiles={"quote": easy}, repeats=1, noise=0.0)
-    large = synthetic_cells(cost=LINEAR, profiles={"quote": harder}, repeats=1, noise=0.0)
+    small = synthetic_cells(cost=SHARE, profiles={"quote": easy}, repeats=1, noise=0.0)
+    large = synthetic_cells(cost=SHARE, profiles={"quote": harder}, repeats=1, noise=0.0)
     cells = pd.concat([small[small["batch_size"] <= 2], large[large["batch_size"] > 2]], ignore_index=True)
     spec = cells["is_speculative"].astype(bool)
     without_1 = fit_sweep(cells[~(spec & (cells["batch_size"] == 1))])
@@ -234,7 +236,7 @@ def test_a_batch_size_without_speculative_cells_takes_the_acceptance_of_its_meas
 
 def test_a_server_that_ran_slow_at_every_batch_size_is_predicted_slow_where_held_out():
     # SYNTHETIC: the g = 3 server ran 20% slower at every batch size (launched while the machine was slower)
-    cells = synthetic_cells(cost=LINEAR, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
+    cells = synthetic_cells(cost=SHARE, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
     slow = cells["server"] == "draft-g3-quote"
     cells.loc[slow, "output_throughput_tps"] /= 1.2
     cells.loc[slow, "tpot_ms_mean"] *= 1.2
@@ -253,7 +255,7 @@ def test_tpot_share_of_a_held_out_batch_size_is_interpolated_in_log_batch_size()
     between measured ones (interpolating in batch size itself would put batch 4 a third of the way from 2 to 8)."""
     from spectune.costmodel import ms_per_token
 
-    cells = synthetic_cells(cost=LINEAR, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
+    cells = synthetic_cells(cost=SHARE, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
     spec = cells["is_speculative"].astype(bool)
     share = 0.95 - 0.15 * np.log2(cells["batch_size"].astype(float))
     cells.loc[spec, "tpot_ms_mean"] = ms_per_token(cells)[spec] * share[spec]
@@ -283,7 +285,7 @@ def test_a_slow_target_only_cell_of_its_own_moment_is_smoothed_away_but_a_moment
     prediction at 4 (and the opposite into 2 and 8, whose draft terms are fitted against it); smoothed over batch sizes
     (side_by_side False) it is gone. Side by side every server at 4 shared the moment, and the anchor as measured is
     what predicts them."""
-    cells = synthetic_cells(cost=LINEAR, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
+    cells = synthetic_cells(cost=SHARE, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
     own = _slowed_at(cells, 4, 1.15, target_only=True)
     as_measured, smoothed = _batch_size_errors(own, side_by_side=True), _batch_size_errors(own, side_by_side=False)
     assert as_measured[4] > 5 and as_measured[[2, 8]].min() > 2.5, as_measured  # and the opposite sign at 2 and 8
