@@ -420,8 +420,8 @@ def _joint_fit(target: pd.DataFrame, spec: pd.DataFrame) -> tuple[np.ndarray, fl
     """The draft terms as shares of target-only's round at the same batch size, each a line in log batch size, fitted
     over all cells at once: t_round - t0(bs) = T(bs) x (f0 + f1 log2 bs + (s0 + s1 log2 bs) g), least squares of
     relative residuals, T target-only's ms per round t0 smoothed over batch sizes (_smooth: the draft terms follow the
-    target's cost, not one cell's noise). Drafting and verifying g more tokens a sequence run the same kind of work as the target's
-    decode, so they grow with batch size as it does: on the embedded engine the round at g = 3 costs 1.57-1.69x
+    target's cost, not one cell's noise). Drafting and verifying g more tokens a sequence run the same kind of work as
+    the target's decode, so they grow with batch size as it does: on the embedded engine the round at g = 3 costs 1.57-1.69x
     target-only's from batch 1 to 32 while both grow 9-fold, convex in batch size, which a line in batch size
     (the terms before, in ms) misses at the ends and in between (benchmarks/README.md, issue 12). (coefficients
     [f0, f1, s0, s1], residual sum of squares) or None where the cells do not determine them (fewer than
@@ -767,8 +767,6 @@ def server_factors(fit: CostFit, cells: pd.DataFrame) -> pd.Series:
     log_ratio = np.log(ms_per_token(spec).to_numpy(float) / np.asarray(predicted))
     by_server = pd.Series(log_ratio, index=spec.index).groupby(spec["server"]).agg(["mean", "size"])
     return np.exp(by_server["mean"] * by_server["size"] / (by_server["size"] + 1.0))
-
-
 
 
 def smoothed_target(cells: pd.DataFrame) -> pd.DataFrame | None:

@@ -181,6 +181,18 @@ def test_llamacpp_does_not_speculate_with_a_method_slower_than_target_only_every
     assert f"-md {gguf}" in d["llamacpp"].note  # how to add it anyway
 
 
+def test_vllm_does_not_speculate_when_every_batch_sizes_best_is_target_only(tmp_path):
+    slower = {"ngram-g3": {1: 0.9, 4: 0.95, 16: 0.8}, "eagle-g2": {1: 1.4, 4: 1.3, 16: 1.2}}
+    d = by_engine(write_deployments(tuned("eagle"), cells(slower), MANIFEST, tmp_path))
+    # ngram is what vLLM can run here; slower than target-only at every batch size, it is not switched on
+    assert d["vllm"].method == "target-only" and "--speculative-config" not in d["vllm"].command
+    assert d["vllm"].note.startswith("no speculation: ngram") and "kept for the record" in d["vllm"].note
+    assert json.loads(d["vllm"].file.read_text())["method"] == "ngram"  # the schedule's file: 0 steps everywhere
+    faster = {"ngram-g3": {1: 1.2, 4: 0.95, 16: 0.8}, "eagle-g2": {1: 1.4, 4: 1.3, 16: 1.2}}
+    d = by_engine(write_deployments(tuned("eagle"), cells(faster), MANIFEST, tmp_path / "faster"))
+    assert d["vllm"].method == "ngram" and "--speculative-config" in d["vllm"].command  # faster at batch 1: on there
+
+
 def test_a_tuned_config_that_never_drafts_deploys_sglang_without_speculation(tmp_path):
     never = AdaptiveConfig.from_dict({"1": {"candidate_steps": [0]}})
     slower = {"eagle-g2": {1: 0.9, 4: 0.8, 16: 0.7}}
