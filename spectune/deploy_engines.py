@@ -191,17 +191,16 @@ def _vllm(tuned: TunedMethod, scores: list[MethodScore], fastest: MethodScore | 
                                 prompt_lookup_max=score.server.get("prompt_lookup_max"),
                                 num_speculative_tokens_per_batch_size=schedule)
         source = "the tuned method's best per-batch-size schedule (fitted model)" if is_tuned else "the fastest measured step count at each batch size"
-        note = (f"{score.method}: {_ranked(score, fastest, 'vLLM can load')} ({score.why()}); steps per batch size from "
-                f"{source}: {_schedule_text(schedule)}.")
-        deployment = _write_vllm(config, outdir, manifest, score.engine, note + _no_equivalent(refused, "vLLM"))
         if any(k for _, _, k in schedule):
-            return deployment
+            note = (f"{score.method}: {_ranked(score, fastest, 'vLLM can load')} ({score.why()}); steps per batch size "
+                    f"from {source}: {_schedule_text(schedule)}.")
+            return _write_vllm(config, outdir, manifest, score.engine, note + _no_equivalent(refused, "vLLM"))
         # 0 steps at every batch size: the config would switch speculation off everywhere, so launch without one
         note = (f"no speculation: {score.method}, {_ranked(score, fastest, 'vLLM can load')}, measured no faster than "
                 f"target-only at any batch size ({score.why()}). Launch vLLM without --speculative-config; "
-                f"{deployment.file.name} (0 steps at every batch size) is kept for the record.")
-        return Deployment("vllm", "target-only", deployment.file, shlex.join(["vllm", "serve", _target(manifest, score.engine)]),
-                          note + _no_equivalent(refused, "vLLM"))
+                "vllm_speculative_config.json (0 steps at every batch size) is kept for the record.")
+        kept = _write_vllm(config, outdir, manifest, score.engine, note + _no_equivalent(refused, "vLLM"))
+        return Deployment("vllm", "target-only", kept.file, shlex.join(["vllm", "serve", _target(manifest, score.engine)]), kept.note)
     # nothing measured that vLLM loads: n-gram lookup needs no model, but was not measured here
     g = max(1, tuned.best_static)
     config = VllmSpecConfig(method="ngram", num_speculative_tokens=g, prompt_lookup_min=1, prompt_lookup_max=4)
