@@ -9,6 +9,8 @@ so every seed costs nothing but the fits. Each --guided directory is a real `spe
 cells and wall time are its own, its pick per batch size is scored by the grid's measurement of that cell.
 
 Gap: per batch size, 1 - grid tok/s of the guided pick / grid tok/s of the grid's best cell (0 = same cell or a tie).
+A pick is the measured cell the cost model, fitted on every cell the run measured, expects fastest (as `spectune
+sweep` answers since 6 December 2026: spectune.guided.expected_tps); the grid's best is the cell it measured fastest.
 Where the budget ran out, the cells the sweep named as expected faster (not measured) are counted, with how many of
 them the grid measured faster than the pick, and the gap had they been taken.
 
@@ -33,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spectune.costmodel import parse_gammas  # noqa: E402
 from spectune.drain import request_speeds  # noqa: E402
-from spectune.guided import best_measured, guide, plan_grid  # noqa: E402
+from spectune.guided import best_measured, expected_tps, guide, plan_grid  # noqa: E402
 from spectune.plan import plan_from_dict  # noqa: E402
 from spectune.store import load_run  # noqa: E402
 
@@ -48,11 +50,16 @@ def mean_tps(cells: pd.DataFrame) -> pd.Series:
     return cells[cells["status"] == "ok"].groupby(["batch_size", "server"])["output_throughput_tps"].mean()
 
 
+def picked(cells: pd.DataFrame, speeds) -> tuple[pd.DataFrame, pd.Series]:
+    """best_measured's arguments for the pick `spectune sweep` answers with: by the cost model fitted on every cell."""
+    return cells, expected_tps(cells, speeds)
+
+
 def truth_gaps(picks: pd.DataFrame, truth: pd.Series) -> pd.Series:
     """gaps() against a (batch size, server) -> tok/s series, e.g. the mean of several grids."""
     best = truth.groupby(level=0).max()
-    picked = pd.Series({int(r.batch_size): truth.get((r.batch_size, r.server), float("nan")) for r in picks.itertuples()})
-    return 1.0 - picked / best.reindex(picked.index)
+    got = pd.Series({int(r.batch_size): truth.get((r.batch_size, r.server), float("nan")) for r in picks.itertuples()})
+    return 1.0 - got / best.reindex(got.index)
 
 
 def taken_picks(recommendation: pd.DataFrame, expected_better: pd.DataFrame) -> pd.DataFrame:
@@ -80,7 +87,7 @@ def noise_table(runs: list, truth: pd.Series, grid: pd.DataFrame, seeds: list[in
                 drawn_speeds |= {c: speeds[k][c] for c in cells["cell"] if c in speeds[k]}
             return pd.concat(drawn, ignore_index=True), drawn_speeds
 
-        full = truth_gaps(best_measured(rows_of(list(source))[0]), truth)
+        full = truth_gaps(best_measured(*picked(*rows_of(list(source)))), truth)
         chosen: list[tuple[str, int]] = []
 
         def measure(pairs):
@@ -140,7 +147,7 @@ def main() -> None:
     for path in args.guided:
         real = load_run(path)
         info = real.manifest.get("guided", {})
-        picks = best_measured(real.cells)
+        picks = best_measured(*picked(real.cells, request_speeds(real.requests)))
         g = gaps(picks, cells)
         rows.append({"run": f"measured {path.name}", "cells": len(info.get("measured", [])),
                      "share": len(info.get("measured", [])) / len(grid), "stopped": info.get("stopped"), "rounds": info.get("rounds"),
@@ -164,10 +171,11 @@ def main() -> None:
     print(f"\nscored by the mean of {len(grids)} grids ({', '.join(p.name for p in grids)}): mean gap / max gap")
     for path, r in grids.items():
         others = pd.concat([m for p, m in means.items() if p != path], axis=1).mean(axis=1)
-        g = truth_gaps(best_measured(r.cells), others)
+        g = truth_gaps(best_measured(*picked(r.cells, request_speeds(r.requests))), others)
         print(f"| grid {path.name}, its picks scored by the mean of the others | {g.mean():.2%} | {g.max():.2%} |")
     for path in args.guided:
-        g = truth_gaps(best_measured(load_run(path).cells), truth)
+        real = load_run(path)
+        g = truth_gaps(best_measured(*picked(real.cells, request_speeds(real.requests))), truth)
         print(f"| measured {path.name} | {g.mean():.2%} | {g.max():.2%} |")
     noisy = noise_table(list(grids.values()), truth, grid, parse_gammas(args.seeds), args.budget)
     print(f"\neach cell drawn from one of the {len(grids)} grids at random, per seed, scored by their mean:")

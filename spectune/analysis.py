@@ -323,22 +323,28 @@ def _betai(a: float, b: float, x: float) -> float:
     return front * f / a
 
 
-def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, baseline: str | None = None) -> pd.DataFrame:
+def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, baseline: str | None = None,
+                         expected: pd.Series | None = None) -> pd.DataFrame:
     """The measured answer per batch size: the static server with the highest output-throughput speedup over
     target-only (speedup_table's geometric mean and 95% CI), or target-only itself where no speculative server
     measured faster. Adaptive-config servers are left out (their step count moves during a cell). `baseline`: the
     target-only server to compare with when there are several (spectune.store.first_target), if it has usable cells.
+    `expected`: the cost model's tok/s per (batch_size, server), fitted on every cell (spectune.guided.expected_tps).
+    The pick is then, of the servers measured faster than target-only, the one the model expects fastest, or
+    target-only where the model expects that one no faster: a lead that one launch's luck gave is not taken.
 
     Columns: batch_size, server, method ("target-only" for none), steps (0 for target-only), speedup,
     speedup_ci_low, speedup_ci_high, tpot_speedup, acceptance_rate, acceptance_length, is_clear: the
     interval excludes 1 (for target-only rows: the fastest speculative server's interval lies below 1); with one
-    repeat there is no interval and nothing is clear; and compared: a speculative server was measured at this batch
-    size (False only on a target-only row, e.g. a guided sweep that measured none there)."""
+    repeat there is no interval and nothing is clear; compared: a speculative server was measured at this batch
+    size (False only on a target-only row, e.g. a guided sweep that measured none there); fastest_measured and
+    fastest_speedup: the server measured fastest and its speedup; expected_speedup and fastest_expected: the model's
+    speedups for the pick and for that server (NaN without `expected`)."""
     ok = cells[(cells["status"] == "ok") & (cells["failure_rate"].fillna(0.0) <= max_failure_rate)]
     if "adaptive_config" in ok:
         ok = ok[ok["adaptive_config"].isna()]
     columns = ["batch_size", "server", "method", "steps", "speedup", "speedup_ci_low", "speedup_ci_high", "tpot_speedup",
-               "acceptance_rate", "acceptance_length", "is_clear", "compared"]
+               "acceptance_rate", "acceptance_length", "is_clear", "compared", "fastest_measured", "fastest_speedup", "expected_speedup", "fastest_expected"]
     if ok.empty or ok["is_speculative"].astype(bool).all():
         return pd.DataFrame(columns=columns)
     if baseline not in set(ok.loc[~ok["is_speculative"].astype(bool), "server"]):
@@ -348,16 +354,26 @@ def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, ba
     means = ok.groupby("server")[["method"]].first()
     acc = ok.groupby(["server", "batch_size"])[[c for c in ("acceptance_rate", "acceptance_length") if c in ok]].mean()
     target = baseline or ok.loc[~ok["is_speculative"].astype(bool), "server"].iloc[0]
+    target_tps = ok[ok["server"] == target].groupby("batch_size")["output_throughput_tps"].mean()
     rows = []
     for bs in sorted(ok.loc[ok["server"] == target, "batch_size"].unique()):
         at = speedups[speedups["batch_size"] == bs].dropna(subset=["speedup"])
-        best = at.loc[at["speedup"].idxmax()] if not at.empty else None
-        if best is None or best["speedup"] <= 1.0:
+        fastest = at.loc[at["speedup"].idxmax()] if not at.empty else None
+        model = pd.Series([expected.get((bs, s), math.nan) / target_tps[bs] if expected is not None else math.nan
+                           for s in at.get("server", [])], index=at.index, dtype=float)
+        faster = at["speedup"] > 1.0  # the model ranks the servers measured faster than target-only
+        best = at.loc[model.fillna(at["speedup"])[faster].idxmax()] if faster.any() else fastest
+        seen = {"fastest_measured": fastest["server"] if fastest is not None else None,
+                "fastest_speedup": float(fastest["speedup"]) if fastest is not None else math.nan,
+                "expected_speedup": float(model[best.name]) if best is not None else math.nan,
+                "fastest_expected": float(model[fastest.name]) if fastest is not None else math.nan}
+        if best is None or best["speedup"] <= 1.0 or seen["expected_speedup"] <= 1.0:
             # is_clear here: the fastest speculative server was slower beyond noise (its interval is below 1)
             rows.append({"batch_size": int(bs), "server": target, "method": "target-only", "steps": 0, "speedup": 1.0,
                          "speedup_ci_low": math.nan, "speedup_ci_high": math.nan, "tpot_speedup": 1.0,
                          "acceptance_rate": math.nan, "acceptance_length": math.nan,
-                         "is_clear": bool(best is not None and best["speedup_ci_high"] < 1.0), "compared": best is not None})
+                         "is_clear": bool(fastest is not None and fastest["speedup_ci_high"] < 1.0), "compared": fastest is not None,
+                         **seen})
             continue
         server = best["server"]
         figures = acc.loc[(server, bs)] if (server, bs) in acc.index else pd.Series(dtype=float)
@@ -367,5 +383,5 @@ def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, ba
                      "tpot_speedup": float(best.get("tpot_speedup", math.nan)),
                      "acceptance_rate": float(figures.get("acceptance_rate", math.nan)),
                      "acceptance_length": float(figures.get("acceptance_length", math.nan)),
-                     "is_clear": bool(best["speedup_ci_low"] > 1.0), "compared": True})
+                     "is_clear": bool(best["speedup_ci_low"] > 1.0), "compared": True, **seen})
     return pd.DataFrame(rows, columns=columns)

