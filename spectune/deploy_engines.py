@@ -202,7 +202,8 @@ def _vllm(tuned: TunedMethod, scores: list[MethodScore], fastest: MethodScore | 
                                 prompt_lookup_max=score.server.get("prompt_lookup_max"),
                                 num_speculative_tokens_per_batch_size=schedule)
         source = ("the tuned method's best per-batch-size schedule (fitted model)" if is_tuned
-                  else "the step count the recommendation picked at each batch size")
+                  else "the step count picked at each batch size as the recommendation picks (of those measured faster than "
+                       "target-only, the one the cost model expects fastest)")
         if any(k for _, _, k in schedule):
             note = (f"{score.method}: {_ranked(score, fastest, 'vLLM can load')} ({score.why()}); steps per batch size "
                     f"from {source}: {_schedule_text(schedule)}.")
