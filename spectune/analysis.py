@@ -344,7 +344,8 @@ def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, ba
     if "adaptive_config" in ok:
         ok = ok[ok["adaptive_config"].isna()]
     columns = ["batch_size", "server", "method", "steps", "speedup", "speedup_ci_low", "speedup_ci_high", "tpot_speedup",
-               "acceptance_rate", "acceptance_length", "is_clear", "compared", "fastest_measured", "fastest_speedup", "expected_speedup", "fastest_expected"]
+               "acceptance_rate", "acceptance_length", "is_clear", "compared", "fastest_measured", "fastest_speedup",
+               "expected_speedup", "fastest_expected"]
     if ok.empty or ok["is_speculative"].astype(bool).all():
         return pd.DataFrame(columns=columns)
     if baseline not in set(ok.loc[~ok["is_speculative"].astype(bool), "server"]):
