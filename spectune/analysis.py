@@ -323,6 +323,14 @@ def _betai(a: float, b: float, x: float) -> float:
     return front * f / a
 
 
+def model_pick(measured: pd.Series, fitted: pd.Series):
+    """Of the speedups over target-only `measured` above 1, the label of the one the cost model's `fitted` speedups
+    (same index, NaN: not fitted, its measured one counts) put highest; None where none was measured above 1. The
+    caller still checks the fitted speedup of the pick: at 1 or below, target-only is the answer."""
+    faster = measured > 1.0
+    return fitted.fillna(measured)[faster].idxmax() if faster.any() else None
+
+
 def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, baseline: str | None = None,
                          expected: pd.Series | None = None) -> pd.DataFrame:
     """The measured answer per batch size: the static server with the highest output-throughput speedup over
@@ -362,8 +370,8 @@ def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, ba
         fastest = at.loc[at["speedup"].idxmax()] if not at.empty else None
         model = pd.Series([expected.get((bs, s), math.nan) / target_tps[bs] if expected is not None else math.nan
                            for s in at.get("server", [])], index=at.index, dtype=float)
-        faster = at["speedup"] > 1.0  # the model ranks the servers measured faster than target-only
-        best = at.loc[model.fillna(at["speedup"])[faster].idxmax()] if faster.any() else fastest
+        pick = model_pick(at["speedup"], model)
+        best = at.loc[pick] if pick is not None else fastest
         seen = {"fastest_measured": fastest["server"] if fastest is not None else None,
                 "fastest_speedup": float(fastest["speedup"]) if fastest is not None else math.nan,
                 "expected_speedup": float(model[best.name]) if best is not None else math.nan,

@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from spectune.adaptive import AdaptiveConfig
+from spectune.analysis import model_pick
 from spectune.costmodel import split_failed
 from spectune.emit import (
     ADAPTIVE_ALGORITHMS,
@@ -103,9 +104,8 @@ def measured_methods(cells: pd.DataFrame, manifest: dict, max_failure_rate: floa
             servers = group.groupby(["batch_size", "num_speculative_tokens"])["server"].first()
             model = pd.Series([expected.get((bs, servers[(bs, g)]), math.nan) / base[bs] for bs, g in ratio.index], index=ratio.index)
         best = ratio.groupby(level="batch_size").max()
-        rank = model.fillna(ratio).where(ratio > 1.0, ratio - 1e9)  # measured faster first, then the model's order
-        argbest = rank.groupby(level="batch_size").idxmax()  # (batch_size, g) of each size's pick
-        steps = {int(bs): int(at[1]) if ratio[at] > 1.0 and not model[at] <= 1.0 else 0 for bs, at in argbest.items()}
+        picks = {bs: model_pick(r, model[r.index]) for bs, r in ratio.groupby(level="batch_size")}  # (batch_size, g) or None
+        steps = {int(bs): int(at[1]) if at is not None and not model[at] <= 1.0 else 0 for bs, at in picks.items()}
         per_g = ratio.groupby(level="num_speculative_tokens").apply(lambda r: float(np.exp(np.log(r).mean())))
         scores.append(MethodScore(engine=str(engine), method=str(method), speedup=float(np.exp(np.log(best).mean())),
                                   best_steps=steps, best_static=int(per_g.idxmax()), server=_server_entry(manifest, engine, method)))
