@@ -50,9 +50,10 @@ def mean_tps(cells: pd.DataFrame) -> pd.Series:
     return cells[cells["status"] == "ok"].groupby(["batch_size", "server"])["output_throughput_tps"].mean()
 
 
-def picked(cells: pd.DataFrame, speeds) -> tuple[pd.DataFrame, pd.Series]:
-    """best_measured's arguments for the pick `spectune sweep` answers with: by the cost model fitted on every cell."""
-    return cells, expected_tps(cells, speeds)
+def model_picks(cells: pd.DataFrame, speeds) -> pd.DataFrame:
+    """The picks `spectune sweep` answers with: per batch size, the measured cell the cost model fitted on every cell
+    expects fastest."""
+    return best_measured(cells, expected_tps(cells, speeds))
 
 
 def truth_gaps(picks: pd.DataFrame, truth: pd.Series) -> pd.Series:
@@ -87,7 +88,7 @@ def noise_table(runs: list, truth: pd.Series, grid: pd.DataFrame, seeds: list[in
                 drawn_speeds |= {c: speeds[k][c] for c in cells["cell"] if c in speeds[k]}
             return pd.concat(drawn, ignore_index=True), drawn_speeds
 
-        full = truth_gaps(best_measured(*picked(*rows_of(list(source)))), truth)
+        full = truth_gaps(model_picks(*rows_of(list(source))), truth)
         chosen: list[tuple[str, int]] = []
 
         def measure(pairs):
@@ -147,7 +148,7 @@ def main() -> None:
     for path in args.guided:
         real = load_run(path)
         info = real.manifest.get("guided", {})
-        picks = best_measured(*picked(real.cells, request_speeds(real.requests)))
+        picks = model_picks(real.cells, request_speeds(real.requests))
         g = gaps(picks, cells)
         rows.append({"run": f"measured {path.name}", "cells": len(info.get("measured", [])),
                      "share": len(info.get("measured", [])) / len(grid), "stopped": info.get("stopped"), "rounds": info.get("rounds"),
@@ -171,11 +172,11 @@ def main() -> None:
     print(f"\nscored by the mean of {len(grids)} grids ({', '.join(p.name for p in grids)}): mean gap / max gap")
     for path, r in grids.items():
         others = pd.concat([m for p, m in means.items() if p != path], axis=1).mean(axis=1)
-        g = truth_gaps(best_measured(*picked(r.cells, request_speeds(r.requests))), others)
+        g = truth_gaps(model_picks(r.cells, request_speeds(r.requests)), others)
         print(f"| grid {path.name}, its picks scored by the mean of the others | {g.mean():.2%} | {g.max():.2%} |")
     for path in args.guided:
         real = load_run(path)
-        g = truth_gaps(best_measured(*picked(real.cells, request_speeds(real.requests))), truth)
+        g = truth_gaps(model_picks(real.cells, request_speeds(real.requests)), truth)
         print(f"| measured {path.name} | {g.mean():.2%} | {g.max():.2%} |")
     noisy = noise_table(list(grids.values()), truth, grid, parse_gammas(args.seeds), args.budget)
     print(f"\neach cell drawn from one of the {len(grids)} grids at random, per seed, scored by their mean:")

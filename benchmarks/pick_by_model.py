@@ -24,11 +24,7 @@ from spectune.analysis import recommendation_table  # noqa: E402
 from spectune.drain import request_speeds  # noqa: E402
 from spectune.guided import expected_tps  # noqa: E402
 from spectune.store import Run, first_target, load_run  # noqa: E402
-
-
-def mean_tps(run: Run) -> pd.Series:
-    ok = run.cells[run.cells["status"] == "ok"]
-    return ok.groupby(["batch_size", "server"])["output_throughput_tps"].mean()
+from guided_sweep import mean_tps, truth_gaps  # noqa: E402  (beside this script)
 
 
 def picks(run: Run, by_model: bool) -> pd.DataFrame:
@@ -37,15 +33,9 @@ def picks(run: Run, by_model: bool) -> pd.DataFrame:
     return recommendation_table(run.cells, limit, first_target(run.manifest, run.cells), expected)[["batch_size", "server"]]
 
 
-def gaps(chosen: pd.DataFrame, truth: pd.Series) -> pd.Series:
-    best = truth.groupby(level=0).max()
-    got = pd.Series({int(r.batch_size): truth.get((r.batch_size, r.server), float("nan")) for r in chosen.itertuples()})
-    return 1.0 - got / best.reindex(got.index)
-
-
 def row(name: str, scored_by: str, run: Run, truth: pd.Series) -> str:
     measured, model = picks(run, False), picks(run, True)
-    a, b = gaps(measured, truth), gaps(model, truth)
+    a, b = truth_gaps(measured, truth), truth_gaps(model, truth)
     differ = (measured.set_index("batch_size")["server"] != model.set_index("batch_size")["server"]).sum()
     return f"| {name} | {scored_by} | {a.mean():.2%} / {a.max():.2%} | {b.mean():.2%} / {b.max():.2%} | {differ} of {len(a)} |"
 
@@ -58,7 +48,7 @@ def main() -> None:
     if len(args.runs) < 2:
         ap.error("give two runs of one plan or more: each is scored by the others")
     runs = {p: load_run(p) for p in args.runs}
-    means = {p: mean_tps(r) for p, r in runs.items()}
+    means = {p: mean_tps(r.cells) for p, r in runs.items()}
     print("| pick from | scored by (mean tok/s of) | measured fastest: mean / max gap | cost model's pick: mean / max gap | batch sizes where they differ |")
     print("|---|---|---|---|---|")
     for path, run in runs.items():
