@@ -134,13 +134,5 @@ def round_in(report: dict) -> int:
     return int(report.get("refined", {}).get("round", 1))
 
 
-def round_of(tuned_dir: Path) -> int:
-    """round_in of tuned_dir/tuning.json (1 where there is none)."""
-    try:
-        return round_in(json.loads((tuned_dir / "tuning.json").read_text()))
-    except (OSError, ValueError):
-        return 1
-
-
 def kept_text(record: dict) -> str:
     return "; ".join(f"batch {c['batch_size']}: {WORDS[c['kept']]}" for c in record["slots_kept"])

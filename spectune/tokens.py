@@ -27,8 +27,6 @@ from spectune.errors import SpectuneError
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-EXACT_SOURCES = ("usage", "timings", "token_ids", "tokenizer", "tokenizer+spread", "text")
-
 
 @dataclass(slots=True)
 class Counted:

@@ -12,7 +12,7 @@ import pytest
 from spectune.adaptive import SGLANG_DEFAULT_CONFIG, AdaptiveConfig, AdaptivePolicy, SlotConfig, runs_alike
 from spectune.confirm import batch_size_gains, default_out_dir, split_text
 from spectune.errors import SpectuneError
-from spectune.refine import choose_slots, merge_slots, refine, round_of, slot_sources
+from spectune.refine import choose_slots, merge_slots, refine, round_in, slot_sources
 
 TUNED = AdaptiveConfig({1: SlotConfig([7]), 4: SlotConfig([6, 7], ema_alpha=0.4), 16: SlotConfig([2, 4]),
                         32: SlotConfig([0, 2, 4, 5], ceiling_coeff=1.67)})
@@ -92,7 +92,7 @@ def test_refine_archives_the_measured_round_and_records_what_it_kept(tmp_path):
     assert record["round"] == 2 and [c["kept"] for c in record["slots_kept"]] == ["sglang-default", "tuned"]
     assert json.loads((tuned_dir / "round-1" / "adaptive_spec.json").read_text()) == TUNED.to_dict()
     assert _slot_at(refined, 70) == TUNED.slots[32] and _slot_at(refined, 1) == SGLANG_DEFAULT_CONFIG.slots[1]
-    assert round_of(tuned_dir) == 1  # tuning.json is rewritten by tune's finalize, not here
+    assert round_in(json.loads((tuned_dir / "tuning.json").read_text())) == 1  # tuning.json is rewritten by tune's finalize, not here
     assert default_out_dir(tmp_path, {"refined": record}) == tmp_path / "confirm-2"
     assert default_out_dir(tmp_path, {}) == tmp_path / "confirm"
 
