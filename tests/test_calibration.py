@@ -24,6 +24,7 @@ from spectune.calibration import (
     replay_vs_measured,
     speed_index,
 )
+from spectune.costmodel import RoundCost
 from spectune.steplog import cell_windows, has_step_clocks, in_windows, join_run, step_frame
 from spectune.store import load_run
 from sweep_helpers import sweep_cmd
@@ -149,9 +150,8 @@ def test_calibration_terms_are_fitted_from_the_round_logs(runs):
     # drafting has a cost: a round at the largest measured g costs more than a plain decode (the intercept alone,
     # draft_fixed_ms, is a fitted line's and can come out slightly negative on a busy machine)
     assert min(cal.cost.decode.per_step_ms) >= 0 and cal.cost.decode.t_round(1, 3) > cal.cost.decode.target_ms[0]
-    # the step effects are the least-squares coefficients over every decode step, one fixed effect per
-    # (server, batch size, width) with enough steps
-    effects = fit_step_effects(steps)
+    # the step effects are fitted over every decode step, beyond the clean steps' cost
+    effects = fit_step_effects(steps, cal.cost.decode)
     assert (cal.cost.gather_ms_per_seq, cal.cost.intake_interference_ms, cal.cost.finish_ms) == (
         effects.gather_ms_per_seq, effects.intake_ms, effects.finish_ms)
     assert min(effects.gather_ms_per_seq, effects.intake_ms, effects.finish_ms) >= 0 and effects.steps > 0
@@ -254,6 +254,30 @@ def test_quiet_cells_keep_every_server_and_batch_size_at_its_least_disturbed_cel
     kept = quiet_cells(cells)
     assert sorted(zip(kept["server"], kept["batch_size"], kept["foreign_cpu_cores"])) == [
         ("ngram", 1, 0.0), ("target", 1, 0.6), ("target", 4, 0.1)]
+
+
+def _decode_steps(rows: list[tuple[int, int, bool, int, int, float]]) -> pd.DataFrame:
+    """SYNTHETIC step_frame rows: (batch size, width, contiguous, intakes, finished before, wall ms)."""
+    return pd.DataFrame([{"kind": "decode", "batch_size": b, "num_steps": w, "width": w, "contiguous": c, "num_intakes": i,
+                          "num_finished_before": f, "wall_ms": ms} for b, w, c, i, f, ms in rows])
+
+
+def test_step_effects_are_recovered_beyond_the_clean_cost_and_the_largest_batches_do_not_set_them():
+    decode = RoundCost(batch_sizes=(1, 4, 64), target_ms=(2.5, 4.7, 22.0), draft_fixed_ms=(0.5, 0.5, 1.0), per_step_ms=(0.4, 0.9, 10.0))
+    clean = lambda b, w: decode.t_speculative(b, w)
+    # gather 0.15 ms a sequence, intake 0.9, finish 0.2: every kind of step, each effect apart and together
+    rows = [(b, w, c, i, f, clean(b, w) + 0.15 * b * (not c) + 0.9 * i + 0.2 * f)
+            for b in (1, 3, 4, 7, 64) for w in (1, 3) for c in (True, False) for i in (0, 1, 2) for f in (0, 1)]
+    effects = fit_step_effects(_decode_steps(rows), decode)
+    assert (effects.gather_ms_per_seq, effects.intake_ms, effects.finish_ms) == pytest.approx((0.15, 0.9, 0.2))
+    assert effects.steps == len(rows)
+    # an intake during a batch-64 step (mostly tensor work, the interpreter free) costs it 0.2 ms, during the short
+    # steps 0.9: the fit charges close to what the short steps pay, where a request's TTFT is made, not the average in ms
+    rows = [(b, 1, True, i, 0, clean(b, 1) + (0.2 if b == 64 else 0.9) * i) for b in (3, 64) for i in (0, 1) for _ in range(10)]
+    assert fit_step_effects(_decode_steps(rows), decode).intake_ms > 0.8
+    # noise that makes an effect look negative is taken as none
+    rows = [(3, 1, True, i, 0, clean(3, 1) - 0.3 * i) for i in (0, 1, 2)]
+    assert fit_step_effects(_decode_steps(rows), decode).intake_ms == 0.0
 
 
 def test_offered_rates_count_only_rounds_that_asked_for_that_many_drafts():
