@@ -59,8 +59,12 @@ def fit_step_effects(steps: pd.DataFrame, decode: RoundCost) -> StepEffects:
     clean cost (decode, fitted on the clean steps), in relative terms as the replay is judged. In ms the largest
     batches set the terms, and their tensor work leaves the interpreter free for a request's intake: on the swing sweep
     (benchmarks/README.md, issue 13) that fit charged an intake 0.36 ms where a step at batch 2-4 pays 0.9 ms, and the
-    replay's TTFT came out 1-1.5 points short. A negative estimate (noise) is taken as 0."""
-    d = steps[(steps["kind"] == "decode") & steps["wall_ms"].notna()]
+    replay's TTFT came out 1-1.5 points short. Steps at batch sizes outside the clean cost's (extrapolated there) are
+    left out. A negative estimate (noise) is taken as 0."""
+    inside = steps["batch_size"].between(min(decode.batch_sizes), max(decode.batch_sizes))
+    d = steps[(steps["kind"] == "decode") & steps["wall_ms"].notna() & inside]
+    if d.empty:
+        return StepEffects(0.0, 0.0, 0.0, 0)
     bs, width = d["batch_size"].to_numpy(float), d["width"].to_numpy(float)
     clean = np.where(d["num_steps"].to_numpy() > 0, decode.t_speculative(bs, width), decode.t_round(bs, np.zeros_like(bs)))
     effects = np.column_stack([bs * ~d["contiguous"].astype(bool).to_numpy(), d["num_intakes"], d["num_finished_before"]])

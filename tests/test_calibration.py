@@ -268,9 +268,11 @@ def test_step_effects_are_recovered_beyond_the_clean_cost_and_the_largest_batche
     # gather 0.15 ms a sequence, intake 0.9, finish 0.2: every kind of step, each effect apart and together
     rows = [(b, w, c, i, f, clean(b, w) + 0.15 * b * (not c) + 0.9 * i + 0.2 * f)
             for b in (1, 3, 4, 7, 64) for w in (1, 3) for c in (True, False) for i in (0, 1, 2) for f in (0, 1)]
-    effects = fit_step_effects(_decode_steps(rows), decode)
+    # a step past the largest batch size of the clean cost (extrapolated there) is left out
+    effects = fit_step_effects(_decode_steps(rows + [(128, 1, False, 3, 1, 500.0)]), decode)
     assert (effects.gather_ms_per_seq, effects.intake_ms, effects.finish_ms) == pytest.approx((0.15, 0.9, 0.2))
     assert effects.steps == len(rows)
+    assert fit_step_effects(_decode_steps([(128, 1, False, 3, 1, 500.0)]), decode).steps == 0
     # an intake during a batch-64 step (mostly tensor work, the interpreter free) costs it 0.2 ms, during the short
     # steps 0.9: the fit charges close to what the short steps pay, where a request's TTFT is made, not the average in ms
     rows = [(b, 1, True, i, 0, clean(b, 1) + (0.2 if b == 64 else 0.9) * i) for b in (3, 64) for i in (0, 1) for _ in range(10)]
