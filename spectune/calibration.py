@@ -73,7 +73,7 @@ def fit_step_effects(steps: pd.DataFrame, decode: RoundCost) -> StepEffects:
     return StepEffects(gather, intake, finish, len(d))
 
 
-def fit_step_costs(steps: pd.DataFrame, batch_sizes) -> RoundCost:
+def fit_step_costs(steps: pd.DataFrame) -> RoundCost:
     """Decode wall per batch size from clean steps (slots in one run, no request taken in or finished around them;
     StepEffects covers those) of target-only and static servers: target_ms = the median wall of steps that ran no
     proposer; for steps that did, the median wall per width (drafts verified per request; 0 when no request was
@@ -262,12 +262,12 @@ class Calibration:
     requests_unmatched: int
 
 
-def calibrate(run, engine: str, method: str, batch_sizes) -> Calibration:
+def calibrate(run, engine: str, method: str) -> Calibration:
     """Fit the replay's serving cost and acceptance from a closed-loop sweep of target-only and static `method`
     servers on the embedded engine, from quiet cells only (quiet_cells)."""
     cells, quiet, steps, joined, unmatched = _joined(run, engine, method, with_target=True)
     prefill_fixed, per_token, per_token2, prefill_intake = fit_prefill(steps)
-    decode = fit_step_costs(steps, tuple(batch_sizes))
+    decode = fit_step_costs(steps)
     effects = fit_step_effects(steps, decode)
     delivery, stream_end = fit_client_side(steps, joined)
     cost = ServingCost(decode=decode, prefill_fixed_ms=prefill_fixed, prefill_per_token_ms=per_token,

@@ -416,8 +416,7 @@ def step_cost(sweep, tuning: dict):
 
     if tuning.get("engine") != "embedded" or not has_step_clocks(sweep):
         return None
-    sizes = sorted(int(r["batch_size"]) for r in tuning.get("cost_fit", [])) or sweep.manifest["plan"]["batch_sizes"]
-    return calibrate(sweep, tuning["engine"], tuning["method"], tuple(sizes)).cost
+    return calibrate(sweep, tuning["engine"], tuning["method"]).cost
 
 
 def pass_table(out: Path, num_passes: int, metric: str, max_foreign_cores: float = math.inf, cost=None,

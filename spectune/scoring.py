@@ -187,7 +187,7 @@ def replay_terms(run: Run, fit: CostFit, calibrated: bool = True) -> tuple[Servi
     from spectune.steplog import has_step_clocks
 
     if calibrated and has_step_clocks(run):
-        c = calibrate(run, fit.engine, fit.method, fit.cost.batch_sizes)
+        c = calibrate(run, fit.engine, fit.method)
         return c.cost, dict(c.profiles)
     return serving_cost(run, fit), phase_acceptance(run, fit)
 

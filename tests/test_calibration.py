@@ -136,7 +136,7 @@ def test_a_round_log_of_a_server_killed_mid_request_then_restarted_reads_like_th
 
 def test_calibration_terms_are_fitted_from_the_round_logs(runs):
     run = load_run(runs[0])
-    cal = calibrate(run, "embedded", "ngram", (1, 4))
+    cal = calibrate(run, "embedded", "ngram")
     steps = pd.concat([step_frame(path).assign(server=server) for server, path in run.round_logs.items()], ignore_index=True)
     # the fit takes the steps inside the windows (first send to last end) of the cells measured on a quiet machine;
     # warm-up steps come before them
@@ -183,7 +183,7 @@ def test_calibration_terms_are_fitted_from_the_round_logs(runs):
 
 def test_speed_index_is_about_one_on_the_runs_the_costs_were_fitted_on(runs):
     run = load_run(runs[0])
-    index = speed_index(run, calibrate(run, "embedded", "ngram", (1, 4)).cost)
+    index = speed_index(run, calibrate(run, "embedded", "ngram").cost)
     assert set(index.index) == set(run.cells["cell"])
     assert index.between(0.5, 2.0).all()
 
@@ -198,7 +198,7 @@ WITHIN = {"ttft_ms": (0.2, 5.0), "tpot_ms": (0.5, 2.0), "e2e_ms": (0.2, 5.0)}
 
 def _ratios(table: pd.DataFrame, run, closed) -> dict[str, pd.Series]:
     """Per metric, predicted / measured per row, TPOT's predicted at the engine's speed during the row's cell."""
-    speed = speed_index(run, calibrate(closed, "embedded", "ngram", (1, 4, 8)).cost)
+    speed = speed_index(run, calibrate(closed, "embedded", "ngram").cost)
     cells = run.cells.set_index(["server", "batch_size"])["cell"]
     at = table.apply(lambda r: speed.get(cells.get((r["server"], r["max_concurrency"])), np.nan), axis=1).fillna(1.0)
     return {name: table[f"{name}_predicted"] * (at if name == "tpot_ms" else 1.0) / table[f"{name}_measured"] for name in WITHIN}
