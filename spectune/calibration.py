@@ -65,12 +65,18 @@ def fit_step_effects(steps: pd.DataFrame, decode: RoundCost) -> StepEffects:
     d = steps[(steps["kind"] == "decode") & steps["wall_ms"].notna() & inside]
     if d.empty:
         return StepEffects(0.0, 0.0, 0.0, 0)
-    bs, width = d["batch_size"].to_numpy(float), d["width"].to_numpy(float)
-    clean = np.where(d["num_steps"].to_numpy() > 0, decode.t_speculative(bs, width), decode.t_round(bs, np.zeros_like(bs)))
+    bs, clean = d["batch_size"].to_numpy(float), clean_walls(d, decode)
     effects = np.column_stack([bs * ~d["contiguous"].astype(bool).to_numpy(), d["num_intakes"], d["num_finished_before"]])
     coef, *_ = np.linalg.lstsq(effects.astype(float) / clean[:, None], d["wall_ms"].to_numpy(float) / clean - 1.0, rcond=None)
     gather, intake, finish = (max(0.0, float(c)) for c in coef)
     return StepEffects(gather, intake, finish, len(d))
+
+
+def clean_walls(steps: pd.DataFrame, decode: RoundCost) -> np.ndarray:
+    """Per decode step (step_frame rows), its wall without the step effects: a plain decode at its batch size, or a
+    round that ran the proposer and verified its width."""
+    bs, width = steps["batch_size"].to_numpy(float), steps["width"].to_numpy(float)
+    return np.where(steps["num_steps"].to_numpy() > 0, decode.t_speculative(bs, width), decode.t_round(bs, np.zeros_like(bs)))
 
 
 def fit_step_costs(steps: pd.DataFrame) -> RoundCost:
@@ -405,10 +411,8 @@ def predicted_walls(steps: pd.DataFrame, cost: ServingCost) -> np.ndarray:
     """What the replay charges for each logged step (step_frame rows) as the engine ran it: its batch, width, slots,
     intakes and finishes. Beside the measured walls it says how fast the engine ran (speed_index)."""
     decode = (steps["kind"] == "decode").to_numpy()
-    bs, width = steps["batch_size"].to_numpy(float), steps["width"].to_numpy(float)
-    plain = cost.decode.t_round(bs, np.zeros_like(bs))
-    spec = cost.decode.t_speculative(bs, width)
-    step = np.where(steps["num_steps"].to_numpy() > 0, spec, plain)
+    bs = steps["batch_size"].to_numpy(float)
+    step = clean_walls(steps, cost.decode)
     step += np.where(steps["contiguous"].to_numpy(bool), 0.0, cost.gather_ms_per_seq * bs)
     step += cost.intake_interference_ms * steps["num_intakes"].to_numpy(float) + cost.finish_ms * steps["num_finished_before"].to_numpy(float)
     prefill = np.array([cost.t_prefill(p) if p else np.nan for p in steps["prompt_tokens"]])
