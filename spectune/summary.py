@@ -20,22 +20,23 @@ class Summary:
     rows: list[tuple[str, ...]]  # COLUMNS, formatted
     deploy: list[tuple[str, str, str]]  # engine, method, file
     files: list[str]  # every file or folder written, absolute; folders with their file count
-    notes: list[str] = field(default_factory=list)  # batch sizes where the pick is not the server measured fastest
+    notes: list[str] = field(default_factory=list)  # where the pick is not the server measured fastest, or the fit missed
 
 
 def build_summary(results: Path, report_files: list[Path] = ()) -> Summary:
     from spectune.analysis import recommendation_table
     from spectune.drain import request_speeds
-    from spectune.guided import expected_tps
+    from spectune.guided import model_fit, trusted_tps, untrusted_notes
     from spectune.store import first_target, load_run
 
     run = load_run(results)
     rows, notes = [], []
     if not run.cells.empty:
+        fit = model_fit(run.cells, request_speeds(run.requests))
         table = recommendation_table(run.cells, run.manifest.get("plan", {}).get("max_failure_rate", 0.05),
-                                     first_target(run.manifest, run.cells), expected_tps(run.cells, request_speeds(run.requests)))
+                                     first_target(run.manifest, run.cells), trusted_tps(fit))
         rows = [_row(r) for r in table.itertuples(index=False)]
-        notes = pick_notes(table)
+        notes = pick_notes(table) + untrusted_notes(fit)
     return Summary(rows=rows, deploy=_deploy(results / "tuned" / "tuning.json"), files=_files(Path(results), report_files),
                    notes=notes)
 

@@ -9,7 +9,8 @@ import pytest
 from spectune.analysis import recommendation_table
 from spectune.deploy_engines import measured_methods
 from spectune.errors import SpectuneError
-from spectune.guided import MODEL_MARGIN, best_measured, budget_for, expected_tps, guide, next_pairs, seed_pairs
+from spectune.guided import (MODEL_MARGIN, best_measured, budget_for, expected_tps, guide, model_fit, next_pairs, seed_pairs,
+                             untrusted_notes)
 from spectune.report.render import guided_text
 from spectune.summary import pick_notes
 from sweep_helpers import TINY_NGRAM_PLAN
@@ -237,3 +238,38 @@ def test_the_model_keeps_target_only_where_a_lucky_launch_alone_beat_it():
     assert table.loc[8, "fastest_speedup"] > 1.0 > table.loc[8, "fastest_expected"]
     assert recommendation_table(lucky).set_index("batch_size").loc[8, "server"] == "draft-g1-random"  # as measured
     assert any(n.startswith("batch 8: target-only, not draft-g1-random, measured fastest") for n in pick_notes(table.reset_index()))
+
+
+def test_where_the_fit_misses_every_step_count_of_a_method_at_a_batch_size_the_measured_winner_stands():
+    """FAULT INJECTED (_lucky): at batch 16 the draft model's g = 2 runs 20% faster than the model it was made from,
+    a round cost convex in g there (EAGLE at batch 16 on a new user's sweep: rounds of 26 ms at g = 2 and 46 at g = 4
+    over target-only's 16). The line in g through g = 2 and 4 then crosses below target-only's round at g = 0, the
+    cost model floors that at 0, and its fit puts both step counts more than 10% below what they measured. There its figures
+    are set aside: the answer takes the server measured fastest, not a second method the model still fits (here a
+    copy of the draft model 3% slower everywhere), and a line says why."""
+    rows = synthetic_cells(profiles={"quote": SYNTHETIC_PROFILES["quote"]}, steps=(2, 4), repeats=2, noise=0.01, seed=3)
+    draft = rows[(rows["status"] == "ok")].reset_index(drop=True)
+    copy = draft[draft["is_speculative"]].assign(server=lambda c: c["server"].str.replace("draft", "eagle"), method="eagle",
+                                                 output_throughput_tps=lambda c: c["output_throughput_tps"] * 0.97,
+                                                 tpot_ms_mean=lambda c: c["tpot_ms_mean"] / 0.97)
+    cells = _lucky(pd.concat([draft, copy], ignore_index=True), "draft-g2-quote", 16, 1.2)
+
+    fit = model_fit(cells).set_index(["batch_size", "server"])
+    missed = fit[~fit["trusted"]]
+    assert set(missed.index) == {(16, "draft-g2-quote"), (16, "draft-g4-quote")}
+    assert (missed["measured_tps"] > 1.1 * missed["fitted_tps"]).all() and fit.loc[16, "trusted"].sum() == 2  # eagle kept
+    raw = fit["fitted_tps"]
+    assert recommendation_table(cells, expected=raw).set_index("batch_size").loc[16, "server"].startswith("eagle")  # unguarded
+
+    expected = expected_tps(cells)
+    assert (16, "draft-g2-quote") not in expected.index and (16, "eagle-g2-quote") in expected.index
+    table = recommendation_table(cells, expected=expected).set_index("batch_size")
+    assert table.loc[16, "server"] == table.loc[16, "fastest_measured"] == "draft-g2-quote"
+    assert best_measured(cells, expected).set_index("batch_size").loc[16, "server"] == "draft-g2-quote"
+    steps = {s.method: s.best_steps[16] for s in measured_methods(cells, {"plan": {"servers": []}}, expected=expected)}
+    assert steps["draft_model"] == 2
+    off = sorted(missed["measured_tps"] / missed["fitted_tps"] - 1.0)
+    assert untrusted_notes(model_fit(cells)) == [
+        f"batch 16: draft_model measured {100 * off[0]:.0f}-{off[-1]:.0%} above the cost model fitted on every cell, at each "
+        "of its 2 step counts: there its measured speedups count, not the model's"]
+    assert model_fit(_lucky(cells, "draft-g2-quote", 16, 1 / 1.2))["trusted"].all()  # the fault taken out: every cell trusted

@@ -14,7 +14,7 @@ import pandas as pd
 
 from spectune.drain import request_speeds
 from spectune.errors import SpectuneError
-from spectune.guided import expected_tps
+from spectune.guided import model_fit, trusted_tps, untrusted_notes
 from spectune.store import first_target, load_run
 
 POS_COLUMN = re.compile(r"^accept_pos_(\d+)$")
@@ -93,6 +93,7 @@ class ReportData:
     flagged: pd.DataFrame
     samples: pd.DataFrame
     notes: list[str] = field(default_factory=list)  # what could not be computed, and why
+    model_notes: list[str] = field(default_factory=list)  # where the cost model missed a method's cells (guided.untrusted_notes)
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -119,7 +120,8 @@ def collect(results: str | Path) -> ReportData:
     if baseline is not None and targets:
         notes.append(f"speedups are over {baseline}, the plan's first target-only server; the other target-only "
                      f"server(s) ({', '.join(targets)}) are listed as measured, not compared")
-    recommendation, speedups = _speedups(usable, limit, notes, baseline, expected_tps(cells, request_speeds(run.requests)))
+    fit = model_fit(cells, request_speeds(run.requests))
+    recommendation, speedups = _speedups(usable, limit, notes, baseline, trusted_tps(fit))
     if "client_saturated" in cells and cells["client_saturated"].fillna(False).astype(bool).any():
         hit = cells[cells["client_saturated"].fillna(False).astype(bool)]
         where = ", ".join(f"{r.server} batch {r.batch_size} r{r.repeat}" for r in hit.itertuples())
@@ -142,6 +144,7 @@ def collect(results: str | Path) -> ReportData:
         flagged=flagged,
         samples=_samples(run.requests, set(cells.loc[~cells["is_speculative"].astype(bool), "server"])),
         notes=notes,
+        model_notes=untrusted_notes(fit),
     )
 
 

@@ -388,7 +388,7 @@ def context(data: ReportData, plots: list[Plot]) -> dict:
         "header": header_items(data),
         "headline": headline(data),
         "recommendation": recommendation_table(data),
-        "pick_notes": pick_notes(data.recommendation) if not data.recommendation.empty else [],
+        "pick_notes": (pick_notes(data.recommendation) if not data.recommendation.empty else []) + data.model_notes,
         "tuning": tuning,
         "deploy": tuning.deploy if tuning else [],
         "plots": {p.name: p for p in plots},
