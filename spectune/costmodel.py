@@ -8,8 +8,9 @@ fit writes it as
     t_round(bs, g) = target_ms(bs) + draft_fixed_ms(bs) + per_step_ms(bs) * g      (g >= 1)
 
 where per_step_ms is the marginal cost of one more draft position: drafting it (~0 for parallel drafters
-such as DFlash / P-EAGLE) plus verifying it. A measured cell gives one point, t_round = ms per token x
-tokens per round:
+such as DFlash / P-EAGLE) plus verifying it. Where a batch size's measured rounds grow faster than that line (it
+would cross below target_ms at g = 0), the draft cost there is per_step_ms * g + per_step_sq_ms * g^2 instead, with no
+fixed part (RoundCost.per_step_sq_ms). A measured cell gives one point, t_round = ms per token x tokens per round:
 
 - ms per token = 1000 x batch size / output tokens/s: what one sequence pays per token at the cell's
   concurrency, its share of the prefills included. Not TPOT: in a closed loop with equal output lengths
@@ -170,14 +171,20 @@ class RoundCost:
     # client's turnaround, spread over its output tokens): a round yielding more tokens does not pay it again. Empty:
     # not fitted (0), every ms of a round is per round.
     request_ms: tuple[float, ...] = ()
+    # Per batch size, a term in g^2 where the measured rounds grow faster than a line in g (the line through them would
+    # cross below target-only's round at g = 0): then draft_fixed_ms is 0 and per_step_ms the linear part. Empty: 0.
+    per_step_sq_ms: tuple[float, ...] = ()
+
+    def _draft(self, bs: np.ndarray, g: np.ndarray) -> np.ndarray:
+        draft = _extrapolate(bs, self.batch_sizes, self.draft_fixed_ms) + _extrapolate(bs, self.batch_sizes, self.per_step_ms) * g
+        return draft + _extrapolate(bs, self.batch_sizes, self.per_step_sq_ms) * g * g if self.per_step_sq_ms else draft
 
     def t_round(self, batch_size, steps):
         """ms for one round; scalars or broadcastable arrays. steps 0 = plain decode."""
         bs = np.asarray(batch_size, dtype=float)
         g = np.asarray(steps, dtype=float)
         target = _extrapolate(bs, self.batch_sizes, self.target_ms)
-        draft = _extrapolate(bs, self.batch_sizes, self.draft_fixed_ms) + _extrapolate(bs, self.batch_sizes, self.per_step_ms) * g
-        t = target + np.where(g > 0, draft, 0.0)
+        t = target + np.where(g > 0, self._draft(bs, g), 0.0)
         return float(t) if t.ndim == 0 else t
 
     def ms_per_token(self, batch_size, steps, tokens):
@@ -202,8 +209,7 @@ class RoundCost:
         the proposer's fixed cost is still paid)."""
         bs = np.asarray(batch_size, dtype=float)
         w = np.asarray(width, dtype=float)
-        t = (_extrapolate(bs, self.batch_sizes, self.target_ms) + _extrapolate(bs, self.batch_sizes, self.draft_fixed_ms)
-             + _extrapolate(bs, self.batch_sizes, self.per_step_ms) * w)
+        t = _extrapolate(bs, self.batch_sizes, self.target_ms) + self._draft(bs, w)
         return float(t) if t.ndim == 0 else t
 
 
@@ -331,6 +337,7 @@ def fit_sweep(
         draft_fixed_ms=tuple(table["draft_fixed_ms"]),
         per_step_ms=tuple(table["per_step_ms"]),
         request_ms=_request_terms(table["batch_size"], spec),
+        per_step_sq_ms=tuple(table["per_step_sq_ms"].fillna(0.0)) if "per_step_sq_ms" in table else (),
     )
     acceptance = {str(w): _fit_acceptance(group) for w, group in spec.groupby("workload")}
     return CostFit(
@@ -482,7 +489,15 @@ def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame) -> pd.DataFrame:
         # A slope below 0 is noise (one more draft position cannot make a round cheaper); extrapolated to the
         # step counts past the measured ones (the presets reach 7) it gives ever cheaper, even negative,
         # rounds. Then the round cost is flat in g: the mean of the measured points.
-        if len(np.unique(g)) >= 2 and (line := _line_fit(g, t))[1] >= 0:
+        square = 0.0
+        if len(np.unique(g)) >= 2 and (line := _line_fit(g, t))[1] >= 0 and line[0] < t1:
+            # Rounds growing faster than a line in g: the line would make a round at g = 0 cheaper than target-only's,
+            # and held at a fixed cost of 0 it misses the cells it was fitted on (EAGLE at batch 16 on a new user's
+            # sweep: 26 ms at g = 2, 46 at g = 4 over target-only's 16, predicted 36 ms at g = 2). Then no fixed
+            # cost, and a term in g^2.
+            slope, square, rmse = _convex_fit(g, t - t1)
+            fixed, fixed_se, se_s = 0.0, math.nan, math.nan
+        elif len(np.unique(g)) >= 2 and line[1] >= 0:
             intercept, slope, se_i, se_s, rmse = line
             fixed, fixed_se = intercept - t1, math.hypot(se_i, t1_sd / math.sqrt(len(base)) if len(base) > 1 else 0.0)
         elif len(np.unique(g)) >= 2:
@@ -501,6 +516,7 @@ def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame) -> pd.DataFrame:
                 "draft_fixed_se_ms": fixed_se,
                 "per_step_ms": slope,
                 "per_step_se_ms": se_s,
+                "per_step_sq_ms": square,
                 "rmse_ms": rmse,
                 "num_cells": len(points),
                 "steps_measured": ",".join(str(int(s)) for s in sorted(np.unique(g))),
@@ -509,6 +525,16 @@ def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame) -> pd.DataFrame:
     if not rows:
         raise SpectuneError("cells: no batch size has both target-only and speculative cells; add a target-only server to the sweep")
     return _split_one_step_count(pd.DataFrame(rows).sort_values("batch_size", ignore_index=True))
+
+
+def _convex_fit(g: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
+    """Least squares y = a g + b g^2 with a, b >= 0 (a draft cost with no fixed part): (a, b, residual RMS)."""
+    (a, b), *_ = np.linalg.lstsq(np.column_stack([g, g * g]), y, rcond=None)
+    if a < 0:
+        a, b = 0.0, float(np.sum(g * g * y) / np.sum(g**4))
+    elif b < 0:
+        a, b = float(np.sum(g * y) / np.sum(g * g)), 0.0
+    return float(a), float(max(b, 0.0)), float(np.sqrt(np.mean((y - a * g - b * g * g) ** 2)))
 
 
 def _split_one_step_count(table: pd.DataFrame) -> pd.DataFrame:

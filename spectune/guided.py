@@ -146,12 +146,17 @@ def model_fit(cells: pd.DataFrame, speeds: Speeds | None = None) -> pd.DataFrame
                      .merge(grid[["server", "method"]].drop_duplicates(), on="server").assign(engine=engine))
     if not parts:
         return pd.DataFrame(columns=columns)
-    fit = pd.concat(parts, ignore_index=True)
+    return mark_trusted(pd.concat(parts, ignore_index=True))[columns]
+
+
+def mark_trusted(fit: pd.DataFrame) -> pd.DataFrame:
+    """model_fit's rows with `trusted`: False where every cell of the (engine, method, batch size) measured more than
+    MODEL_MISS off its fitted tok/s, all the same way."""
     miss = np.log(fit["measured_tps"] / fit["fitted_tps"])
     bound = math.log1p(MODEL_MISS)
     by = [fit["engine"], fit["method"], fit["batch_size"]]
-    missed = (miss.gt(bound).groupby(by).transform("all") | miss.lt(-bound).groupby(by).transform("all"))
-    return fit.assign(trusted=~missed)[columns]
+    missed = miss.gt(bound).groupby(by).transform("all") | miss.lt(-bound).groupby(by).transform("all")
+    return fit.assign(trusted=~missed)
 
 
 def expected_tps(cells: pd.DataFrame, speeds: Speeds | None = None) -> pd.Series:

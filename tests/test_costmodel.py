@@ -120,6 +120,23 @@ def test_one_step_count_at_a_batch_size_is_split_as_the_nearest_line_in_g_was():
     assert fit_sweep(only_one).table.set_index("batch_size").loc[16, "draft_fixed_ms"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_rounds_growing_faster_than_a_line_in_g_are_fitted_with_a_square_term_not_a_negative_fixed_cost():
+    # SYNTHETIC: at batch 16 the draft cost is 2 g + 1.25 g^2 ms (26 ms at g = 2, 46 at g = 4 over target-only's 16,
+    # as EAGLE's rounds on a new user's sweep); measured at g = 2 and 4 only, as the default plan does
+    convex = RoundCost(batch_sizes=(1, 4, 16, 32), target_ms=(3.4, 6.3, 16.0, 33.0), draft_fixed_ms=(0.2, 0.7, 0.0, 0.0),
+                       per_step_ms=(1.2, 1.8, 2.0, 4.0), per_step_sq_ms=(0.0, 0.0, 1.25, 2.0))
+    cells = synthetic_cells(cost=convex, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, steps=(2, 4), noise=0.0)
+    fit = fit_sweep(cells[cells["status"] == "ok"])
+    row = fit.table.set_index("batch_size").loc[16]
+    assert row["draft_fixed_ms"] == 0.0 and row["per_step_sq_ms"] > 0
+    for g in (2, 4):  # the cells it was fitted on, as measured; the line floored at a fixed cost of 0 charged g = 2 40% more
+        assert fit.cost.t_round(16, g) == pytest.approx(convex.t_round(16, g), rel=0.01)
+    line = np.polyfit([2, 4], [convex.t_round(16, 2), convex.t_round(16, 4)], 1)
+    assert line[1] < convex.target_ms[2]  # the line through them crosses below target-only's round at g = 0
+    assert convex.target_ms[2] < fit.cost.t_round(16, 1) == pytest.approx(convex.t_round(16, 1), rel=0.01)
+    assert fit.table.set_index("batch_size").loc[4, "per_step_sq_ms"] == 0.0  # a line where the rounds are one
+
+
 def test_fit_defaults_to_the_method_that_measured_fastest_not_the_most_measured():
     cells = synthetic_cells(noise=0.0)
     # a second method with fewer cells, twice as fast as the first at every step count and batch size

@@ -9,8 +9,8 @@ import pytest
 from spectune.analysis import recommendation_table
 from spectune.deploy_engines import measured_methods
 from spectune.errors import SpectuneError
-from spectune.guided import (MODEL_MARGIN, best_measured, budget_for, expected_tps, guide, model_fit, next_pairs, seed_pairs,
-                             untrusted_notes)
+from spectune.guided import (MODEL_MARGIN, best_measured, budget_for, expected_tps, guide, mark_trusted, model_fit, next_pairs,
+                             seed_pairs, trusted_tps, untrusted_notes)
 from spectune.report.render import guided_text
 from spectune.summary import pick_notes
 from sweep_helpers import TINY_NGRAM_PLAN
@@ -240,36 +240,42 @@ def test_the_model_keeps_target_only_where_a_lucky_launch_alone_beat_it():
     assert any(n.startswith("batch 8: target-only, not draft-g1-random, measured fastest") for n in pick_notes(table.reset_index()))
 
 
-def test_where_the_fit_misses_every_step_count_of_a_method_at_a_batch_size_the_measured_winner_stands():
-    """FAULT INJECTED (_lucky): at batch 16 the draft model's g = 2 runs 20% faster than the model it was made from,
-    a round cost convex in g there (EAGLE at batch 16 on a new user's sweep: rounds of 26 ms at g = 2 and 46 at g = 4
-    over target-only's 16). The line in g through g = 2 and 4 then crosses below target-only's round at g = 0, the
-    cost model floors that at 0, and its fit puts both step counts more than 10% below what they measured. There its figures
-    are set aside: the answer takes the server measured fastest, not a second method the model still fits (here a
-    copy of the draft model 3% slower everywhere), and a line says why."""
+
+def test_where_the_fit_misses_every_step_count_of_a_method_at_a_batch_size_the_measured_winner_stands_fault_injected():
+    """FAULT INJECTED into the fit: at batch 16 the model puts both of the draft model's step counts 20% below what
+    they measured, as the fit did on a new user's sweep (EAGLE at batch 16 and 32 measured 11-35% above it, both step
+    counts; a fit that misses like this cannot be made on demand). Its shape is wrong there, not one launch lucky: those
+    cells are set aside, the answer takes the server measured fastest rather than a second method the model still
+    fits (a copy of the draft model 3% slower everywhere), and a line says why. One step count missed alone, as a
+    lucky launch is, stays trusted."""
     rows = synthetic_cells(profiles={"quote": SYNTHETIC_PROFILES["quote"]}, steps=(2, 4), repeats=2, noise=0.01, seed=3)
     draft = rows[(rows["status"] == "ok")].reset_index(drop=True)
     copy = draft[draft["is_speculative"]].assign(server=lambda c: c["server"].str.replace("draft", "eagle"), method="eagle",
                                                  output_throughput_tps=lambda c: c["output_throughput_tps"] * 0.97,
                                                  tpot_ms_mean=lambda c: c["tpot_ms_mean"] / 0.97)
-    cells = _lucky(pd.concat([draft, copy], ignore_index=True), "draft-g2-quote", 16, 1.2)
-
-    fit = model_fit(cells).set_index(["batch_size", "server"])
-    missed = fit[~fit["trusted"]]
-    assert set(missed.index) == {(16, "draft-g2-quote"), (16, "draft-g4-quote")}
-    assert (missed["measured_tps"] > 1.1 * missed["fitted_tps"]).all() and fit.loc[16, "trusted"].sum() == 2  # eagle kept
-    raw = fit["fitted_tps"]
+    cells = pd.concat([draft, copy], ignore_index=True)
+    fit = model_fit(cells)
+    assert fit["trusted"].all()  # as fitted: nothing missed
+    wrong = (fit["batch_size"] == 16) & (fit["method"] == "draft_model")
+    missed = mark_trusted(fit.assign(fitted_tps=fit["fitted_tps"].where(~wrong, fit["fitted_tps"] / 1.2)))
+    assert set(missed.loc[~missed["trusted"], "server"]) == {"draft-g2-quote", "draft-g4-quote"}
+    assert missed.loc[~wrong, "trusted"].all()
+    raw = missed.set_index(["batch_size", "server"])["fitted_tps"]
+    measured_best = best_measured(cells).set_index("batch_size").loc[16, "server"]
+    assert measured_best.startswith("draft")
     assert recommendation_table(cells, expected=raw).set_index("batch_size").loc[16, "server"].startswith("eagle")  # unguarded
 
-    expected = expected_tps(cells)
-    assert (16, "draft-g2-quote") not in expected.index and (16, "eagle-g2-quote") in expected.index
+    expected = trusted_tps(missed)
+    assert (16, measured_best) not in expected.index and (16, "eagle-g2-quote") in expected.index
     table = recommendation_table(cells, expected=expected).set_index("batch_size")
-    assert table.loc[16, "server"] == table.loc[16, "fastest_measured"] == "draft-g2-quote"
-    assert best_measured(cells, expected).set_index("batch_size").loc[16, "server"] == "draft-g2-quote"
+    assert table.loc[16, "server"] == table.loc[16, "fastest_measured"] == measured_best
+    assert best_measured(cells, expected).set_index("batch_size").loc[16, "server"] == measured_best
     steps = {s.method: s.best_steps[16] for s in measured_methods(cells, {"plan": {"servers": []}}, expected=expected)}
-    assert steps["draft_model"] == 2
-    off = sorted(missed["measured_tps"] / missed["fitted_tps"] - 1.0)
-    assert untrusted_notes(model_fit(cells)) == [
+    assert steps["draft_model"] == int(measured_best.split("-g")[1].split("-")[0])
+    off = sorted(missed.loc[wrong, "measured_tps"] / missed.loc[wrong, "fitted_tps"] - 1.0)
+    assert untrusted_notes(missed) == [
         f"batch 16: draft_model measured {100 * off[0]:.0f}-{off[-1]:.0%} above the cost model fitted on every cell, at each "
         "of its 2 step counts: there its measured speedups count, not the model's"]
-    assert model_fit(_lucky(cells, "draft-g2-quote", 16, 1 / 1.2))["trusted"].all()  # the fault taken out: every cell trusted
+
+    lucky = (fit["batch_size"] == 16) & (fit["server"] == "draft-g2-quote")  # one step count 20% off: a launch's luck
+    assert mark_trusted(fit.assign(fitted_tps=fit["fitted_tps"].where(~lucky, fit["fitted_tps"] / 1.2)))["trusted"].all()
