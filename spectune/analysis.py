@@ -338,8 +338,9 @@ def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, ba
     measured faster. Adaptive-config servers are left out (their step count moves during a cell). `baseline`: the
     target-only server to compare with when there are several (spectune.store.first_target), if it has usable cells.
     `expected`: the cost model's tok/s per (batch_size, server), fitted on every cell, of the cells it is trusted on
-    (spectune.guided.expected_tps; a cell without it counts as measured). The pick is then, of the servers measured faster than target-only, the one the model expects fastest, or
-    target-only where the model expects that one no faster: a lead that one launch's luck gave is not taken.
+    (spectune.guided.expected_tps; a cell without it counts as measured). The pick is then, of the servers measured
+    faster than target-only, the one the model expects fastest, or target-only where the model expects that one no
+    faster: a lead that one launch's luck gave is not taken.
 
     Columns: batch_size, server, method ("target-only" for none), steps (0 for target-only), speedup,
     speedup_ci_low, speedup_ci_high, tpot_speedup, acceptance_rate, acceptance_length, is_clear: the
