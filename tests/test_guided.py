@@ -240,7 +240,6 @@ def test_the_model_keeps_target_only_where_a_lucky_launch_alone_beat_it():
     assert any(n.startswith("batch 8: target-only, not draft-g1-random, measured fastest") for n in pick_notes(table.reset_index()))
 
 
-
 def test_where_the_fit_misses_every_step_count_of_a_method_at_a_batch_size_the_measured_winner_stands_fault_injected():
     """FAULT INJECTED into the fit: at batch 16 the model puts both of the draft model's step counts 20% below what
     they measured, as the fit did on a new user's sweep (EAGLE at batch 16 and 32 measured 11-35% above it, both step
