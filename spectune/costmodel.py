@@ -471,6 +471,7 @@ def _joint_table(local: pd.DataFrame, target: pd.DataFrame, coef: np.ndarray) ->
             "target_sd_ms": float(values.std(ddof=1)) if len(values) > 1 else math.nan,
             "draft_fixed_ms": scale * (f0 + f1 * x),
             "per_step_ms": max(0.0, scale * (s0 + s1 * x)),  # one more draft position never makes a round cheaper
+            "per_step_sq_ms": 0.0,  # the joint terms replace the local line's, its square term with them
             "draft_terms": "joint, a share of target-only's round",
         })
     return pd.DataFrame(rows).sort_values("batch_size", ignore_index=True)

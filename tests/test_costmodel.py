@@ -9,6 +9,9 @@ import pandas as pd
 import pytest
 
 from spectune.costmodel import (
+    _fit_round_cost,
+    _joint_fit,
+    _joint_table,
     AcceptanceProfile,
     RoundCost,
     breakeven_batch_size,
@@ -135,6 +138,20 @@ def test_rounds_growing_faster_than_a_line_in_g_are_fitted_with_a_square_term_no
     assert line[1] < convex.target_ms[2]  # the line through them crosses below target-only's round at g = 0
     assert convex.target_ms[2] < fit.cost.t_round(16, 1) == pytest.approx(convex.t_round(16, 1), rel=0.01)
     assert fit.table.set_index("batch_size").loc[4, "per_step_sq_ms"] == 0.0  # a line where the rounds are one
+
+
+def test_the_joint_draft_terms_replace_a_batch_sizes_square_term_with_its_line():
+    # SYNTHETIC: a local fit whose batch 16 is convex in g; where Akaike's criterion takes the joint terms instead,
+    # they are the whole draft cost there (a square term kept beside them charged it twice)
+    convex = RoundCost(batch_sizes=(1, 4, 16, 32), target_ms=(3.4, 6.3, 16.0, 33.0), draft_fixed_ms=(0.2, 0.7, 0.0, 0.0),
+                       per_step_ms=(1.2, 1.8, 2.0, 4.0), per_step_sq_ms=(0.0, 0.0, 1.25, 2.0))
+    cells = synthetic_cells(cost=convex, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, steps=(2, 4), noise=0.0)
+    ok = cells[cells["status"] == "ok"]
+    target, spec = ok[~ok["is_speculative"]], ok[ok["is_speculative"]]
+    local = _fit_round_cost(target, spec)
+    assert local.set_index("batch_size").loc[16, "per_step_sq_ms"] > 0
+    joint = _joint_table(local, target, _joint_fit(target, spec)[0])
+    assert (joint["per_step_sq_ms"] == 0.0).all()
 
 
 def test_fit_defaults_to_the_method_that_measured_fastest_not_the_most_measured():
