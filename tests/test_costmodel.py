@@ -180,6 +180,45 @@ def test_fit_recovers_per_position_acceptance_per_workload():
         np.testing.assert_allclose(got.rates, truth.rates, atol=1e-9)
 
 
+def _methods_whose_traffic_at_batch_4_is_easier(methods: dict[str, float]) -> pd.DataFrame:
+    """SYNTHETIC cells of draft_model and the given other methods, one workload; each other method's batch-4 traffic
+    has every survival times its factor (draft_model's too, by 1.3), as if that batch size's prompts were easier."""
+    plain = {"random": SYNTHETIC_PROFILES["random"]}
+    frames = []
+    for method, factor in {"draft_model": 1.3, **methods}.items():
+        rates = plain["random"].rates
+        easier = {"random": AcceptanceProfile((rates[0] * factor,) + rates[1:])}
+        cells = pd.concat([synthetic_cells(profiles=plain, noise=0.0).query("batch_size != 4"),
+                           synthetic_cells(profiles=easier, noise=0.0).query("batch_size == 4")], ignore_index=True)
+        cells = cells[cells["status"] == "ok"]
+        if method != "draft_model":
+            cells = cells[cells["num_speculative_tokens"] > 0].assign(method=method, server=method + "-" + cells["server"])
+        frames.append(cells)
+    return pd.concat(frames, ignore_index=True)
+
+
+@pytest.mark.parametrize(("others", "carried"), [
+    ({"ngram": 1.3, "eagle": 1.3}, True),   # two other methods found batch 4's traffic easier: it is the traffic's
+    ({"ngram": 1.3}, False),                 # one alone might be that drafter's own
+    ({"ngram": 1.3, "eagle": 0.8}, False),  # they disagree
+])
+def test_a_batch_size_without_a_methods_cells_takes_the_traffic_effect_other_methods_agree_on(others, carried):
+    cells = _methods_whose_traffic_at_batch_4_is_easier(others)
+    held_out = cells.drop(index=cells.index[(cells["method"] == "draft_model") & (cells["batch_size"] == 4)])
+    fit = fit_sweep(held_out, method="draft_model")
+    truth = AcceptanceProfile((SYNTHETIC_PROFILES["random"].rates[0] * 1.3,) + SYNTHETIC_PROFILES["random"].rates[1:])
+    between = fit_sweep(held_out[~held_out["method"].isin(list(others))], method="draft_model").profile("random", 4)
+    assert between.expected_tokens(4) < 0.95 * truth.expected_tokens(4)  # the neighbours alone miss it
+    got = fit.profile("random", 4)
+    for g in SYNTHETIC_STEPS:
+        if carried:
+            assert got.expected_tokens(g) == pytest.approx(truth.expected_tokens(g), rel=0.01)
+        else:
+            assert got.expected_tokens(g) == pytest.approx(between.expected_tokens(g), rel=1e-9)
+    # where draft_model measured batch 4 itself, its own cells count, whatever the others say
+    assert fit_sweep(cells, method="draft_model").profile("random", 4).expected_tokens(4) == pytest.approx(truth.expected_tokens(4), rel=1e-6)
+
+
 def test_fit_falls_back_to_constant_alpha_without_per_position_counters():
     truth = {"steady": AcceptanceProfile((0.72,)), "hard": AcceptanceProfile((0.3,))}
     fit = fit_sweep(synthetic_cells(profiles=truth, noise=0.0, with_accept_pos=False))
