@@ -296,7 +296,7 @@ def _scaled(profile: AcceptanceProfile, factor: float) -> AcceptanceProfile:
     return AcceptanceProfile(rates, profile.source, tuple(se * factor for se in profile.survival_se), profile.trend, profile.trend_ref_g)
 
 
-MIN_AGREEING = 2  # other servers that must find a batch size's traffic easier (or harder) alike for it to count
+MIN_AGREEING = 2  # other methods that must find a batch size's traffic easier (or harder) alike for it to count
 
 
 def _traffic_factors(static: pd.DataFrame, engine: str, method: str, own: dict[tuple[str, int], AcceptanceProfile]) -> dict[tuple[str, int], float]:

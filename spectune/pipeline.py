@@ -89,8 +89,10 @@ def _tune_stage(root: Path, options: PipelineOptions, outcome: PipelineOutcome, 
         return
     say(f"tune: fitting the model and running {options.trials} Optuna trials on the simulated bench")
     try:
-        tune(TuneOptions(results_dir=root, trials=options.trials, seed=options.seed), log=say)
+        tuned = tune(TuneOptions(results_dir=root, trials=options.trials, seed=options.seed), log=say)
         outcome.tuned_dir = root / "tuned"
+        for line in tuned.verdict_lines:  # is the tuned config worth deploying over SGLang's default: the answer's point
+            say(line)
     except Exception as e:  # the measurement is on disk; report the stage's failure, go on with the report
         outcome.errors.append(f"tune: {_cause(e)}; the measurement is intact, rerun with: spectune tune {root}")
         say(f"tune failed: {_cause(e)}")

@@ -154,8 +154,9 @@ def verdict_lines(tuning_json: Path) -> list[str]:
 
     report = json.loads(tuning_json.read_text())
     lines = []
-    if "verdict" in report:
-        lines.append(f"verdict ({report['verdict']['source']}): {report['verdict']['text']}")
+    if "verdict" in report:  # the text names RESULTS (tuning.json travels); here the run is known
+        text = report["verdict"]["text"].replace("spectune confirm RESULTS", f"spectune confirm {report.get('results_dir', 'RESULTS')}")
+        lines.append(f"verdict ({report['verdict']['source']}): {text}")
     if "exhaustive" in report:
         lines.append(f"exhaustive: {report['exhaustive']['text']}")
     return lines

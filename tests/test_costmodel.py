@@ -199,7 +199,7 @@ def _methods_whose_traffic_at_batch_4_is_easier(methods: dict[str, float]) -> pd
 
 @pytest.mark.parametrize(("others", "carried"), [
     ({"ngram": 1.3, "eagle": 1.3}, True),   # two other methods found batch 4's traffic easier: it is the traffic's
-    ({"ngram": 1.3}, False),                 # one alone might be that drafter's own
+    ({"ngram": 1.3}, False),                # one alone might be that drafter's own
     ({"ngram": 1.3, "eagle": 0.8}, False),  # they disagree
 ])
 def test_a_batch_size_without_a_methods_cells_takes_the_traffic_effect_other_methods_agree_on(others, carried):

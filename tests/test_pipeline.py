@@ -88,6 +88,10 @@ def test_sweep_measures_tunes_writes_configs_and_report_then_summarises(pipeline
     assert f"tuned method: {report['method']} on the embedded engine" in proc.stdout
     steps = report["policies"]["best_per_batch_schedule"]["best_steps_by_batch_size"]
     assert f"batch 1: {steps['1']}, batch 2: {steps['2']}" in proc.stdout
+    # and whether the tuned config beats SGLang's default, with what to run to measure it on this run
+    verdict = next(line for line in lines if line.startswith("verdict (simulated): "))
+    assert report["verdict"]["text"].split(" (simulated over")[0] in verdict and f"spectune confirm {report['results_dir']})" in verdict
+    assert f"exhaustive: {report['exhaustive']['text']}" in lines
 
     # the closing summary: one row per batch size, with the recommendation_table's figures, then every file
     header = next(i for i, line in enumerate(lines) if line.startswith("batch size"))
