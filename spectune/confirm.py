@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -173,6 +174,12 @@ def verdict_text(diffs: tuple[Difference, ...], metric_words: str, passes: int, 
     return f"tuned adaptive on {metric_words}: {body} ({tail})"
 
 
+def naming_run(text: str, results_dir: object) -> str:
+    """A verdict's text with its spectune tune / confirm commands naming this run: tuning.json says RESULTS (the
+    directory may move), a console line or the report knows which run it is."""
+    return re.sub(r"spectune (tune|confirm) RESULTS", lambda m: f"spectune {m.group(1)} {results_dir}", text)
+
+
 def action_text(diffs: tuple[Difference, ...], finished: bool, static_steps: int | None = None, exhausted: bool = False) -> str:
     """What to deploy, from a measured verdict: only what the intervals settle (a difference whose interval holds 0
     decides nothing), and nothing before the rule stopped."""
@@ -273,7 +280,7 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
         verdict = measured_verdict(decision, n, words, metric, objective, options, servers, out, table, alike,
                                    exhausted=not decision.stop and attempts_used(out, options.max_passes))
         write_verdict(tuned_dir, verdict)
-        log(verdict["text"])
+        log(naming_run(verdict["text"], options.results_dir))
     finished = bool(decision and decision.stop)
     exhausted = not finished and attempts_used(out, options.max_passes)
     if exhausted:

@@ -20,6 +20,7 @@ import pandas as pd
 
 from spectune.adaptive import AdaptiveConfig
 from spectune.comparisons import best_schedule
+from spectune.confirm import naming_run
 from spectune.deploy import finalize
 from spectune.costmodel import fastest_method, split_failed
 from spectune.emit import ADAPTIVE_ALGORITHMS, validate_sglang_config
@@ -154,8 +155,8 @@ def verdict_lines(tuning_json: Path) -> list[str]:
 
     report = json.loads(tuning_json.read_text())
     lines = []
-    if "verdict" in report:  # the text names RESULTS (tuning.json travels); here the run is known
-        text = report["verdict"]["text"].replace("spectune confirm RESULTS", f"spectune confirm {report.get('results_dir', 'RESULTS')}")
+    if "verdict" in report:
+        text = naming_run(report["verdict"]["text"], report.get("results_dir", "RESULTS"))
         lines.append(f"verdict ({report['verdict']['source']}): {text}")
     if "exhaustive" in report:
         lines.append(f"exhaustive: {report['exhaustive']['text']}")

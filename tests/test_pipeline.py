@@ -77,6 +77,10 @@ def test_sweep_measures_tunes_writes_configs_and_report_then_summarises(pipeline
     assert "eagle" not in (tuned / "llamacpp_flags.txt").read_text()
     report_dir = out / "report"  # --out outside a results/ folder: the report goes inside the run directory
     assert {p.name for p in report_dir.iterdir()} >= {"report.html", "report.md"}
+    # the report's verdict names this run in its confirm command, as the console does (tuning.json says RESULTS)
+    assert "spectune confirm RESULTS" in report["verdict"]["text"]
+    assert all("spectune confirm RESULTS" not in (report_dir / f).read_text() for f in ("report.html", "report.md"))
+    assert f"spectune confirm {out}" in (report_dir / "report.md").read_text()
 
     lines = proc.stdout.splitlines()
     # plain progress (stdout is not a terminal here): one line per cell, a line per server start, no escape codes

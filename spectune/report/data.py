@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from spectune.confirm import naming_run
 from spectune.drain import request_speeds
 from spectune.errors import SpectuneError
 from spectune.guided import model_fit, trusted_tps, untrusted_notes
@@ -286,7 +287,7 @@ def read_tuning(results: Path) -> Tuning | None:
         score=raw.get("score"),
         comparisons=pd.DataFrame(rows, columns=["name", "label", "policy", "speedup", "gain"]),
         deploy=deploy,
-        verdict=_text(raw.get("verdict")),
+        verdict=naming_run(v, results) if (v := _text(raw.get("verdict"))) else None,
         exhaustive=_text(raw.get("exhaustive")),
         files=[str(f) for f in raw.get("files") or []],
         notes=[str(n) for n in raw.get("notes") or []],
