@@ -62,6 +62,9 @@ NOT_COMPUTED = {"step_count": "no method measured at two step counts at one batc
 HOLDOUT_NAMES = {"step_count": "leave one step count out", "batch_size": "leave one batch size out",
                  "step_count_inside": "leave one step count out, inside the measured range",
                  "batch_size_inside": "leave one batch size out, inside the measured range"}
+# Leaving a step count out where a method measured two: each held-out g is its smallest or largest, none inside.
+NONE_INSIDE = ("none: every held-out step count was its method's smallest or largest measured, so each prediction above "
+               "extrapolates (two step counts leave one); measure three or more to hold one out inside the range")
 
 
 def holdout_predictions(cells: pd.DataFrame, speeds: Speeds | None = None, side_by_side: bool = True) -> pd.DataFrame:
@@ -179,12 +182,16 @@ def holdout_lines(report: dict[str, object]) -> list[str]:
              for h in HOLDOUTS if not any(row["holdout"] == h for row in summary)]
     if not summary:
         return lines
+    computed = {row["holdout"] for row in summary}
+    split = any("extrapolated" in c for c in report.get("cells") or [])  # tuning.json from before the split: no "_inside"
     for row in summary:
         if row["method"] != "all":
             continue
         what = HOLDOUT_NAMES.get(row["holdout"], row["holdout"])
         figures = ", ".join(f"{m} {row[f'{m}_mean_abs_pct']:.1f}% (max {row[f'{m}_max_abs_pct']:.1f}%)" for m in METRICS)
         lines.append(f"held-out error, {what} ({row['cells']} cells): mean abs {figures}")
+        if row["holdout"] == "step_count" and "step_count_inside" not in computed and split:
+            lines.append(f"held-out error, {HOLDOUT_NAMES['step_count_inside']}: {NONE_INSIDE}")
     if report.get("anchor_smoothed"):
         lines.append(f"anchor: {ANCHOR_NOTE}")
     if "noise_floor_pct" not in report:  # a tuning.json written before the noise floor was reported

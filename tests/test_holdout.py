@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from spectune.costmodel import AcceptanceProfile, RoundCost, fit_sweep, recommend, server_factors
-from spectune.holdout import holdout_lines, holdout_predictions, holdout_report, holdout_summary, noise_floor, one_launch
+from spectune.holdout import NONE_INSIDE, holdout_lines, holdout_predictions, holdout_report, holdout_summary, noise_floor, one_launch
 from synthetic_sweep import SHARE_COST as SHARE, SYNTHETIC_PROFILES, synthetic_cells
 
 
@@ -303,3 +303,22 @@ def test_a_slow_target_only_cell_of_its_own_moment_is_smoothed_away_but_a_moment
     clean = holdout_predictions(cells, side_by_side=False)
     clean4 = clean[(clean["holdout"] == "batch_size") & (clean["batch_size"] == 4)]
     assert (at4["measured_speedup"].to_numpy() > 1.1 * clean4["measured_speedup"].to_numpy()).all()
+
+
+def test_with_two_step_counts_the_lines_say_every_held_out_step_count_was_extrapolated():
+    """Two step counts leave one: each held-out g is its method's smallest or largest, so no "_inside" row exists and a
+    line says why (the default plan measures g = 2 and 4, and its leave-one-g-out error is all extrapolation)."""
+    cells = synthetic_cells(steps=(2, 4), profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=2, noise=0.05, seed=2)
+    report = holdout_report(cells)
+    assert "step_count" in {r["holdout"] for r in report["summary"]}
+    assert "step_count_inside" not in {r["holdout"] for r in report["summary"]}
+    lines = holdout_lines(report)
+    at = next(i for i, line in enumerate(lines) if line.startswith("held-out error, leave one step count out ("))
+    assert lines[at + 1] == f"held-out error, leave one step count out, inside the measured range: {NONE_INSIDE}"
+    # three step counts: the middle one is held out inside the range, its own line, and no such sentence
+    three = holdout_lines(holdout_report(synthetic_cells(steps=(1, 2, 3), profiles={"quote": SYNTHETIC_PROFILES["quote"]})))
+    assert not any(NONE_INSIDE in line for line in three)
+    assert any(line.startswith("held-out error, leave one step count out, inside the measured range (") for line in three)
+    # a tuning.json from before held-out cells were marked extrapolated had no "_inside" rows at all: nothing is said
+    old = {**report, "cells": [{k: v for k, v in c.items() if k != "extrapolated"} for c in report["cells"]]}
+    assert not any(NONE_INSIDE in line for line in holdout_lines(old))

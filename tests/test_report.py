@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from spectune.holdout import NONE_INSIDE
 from spectune.report import write_report
 from spectune.report.data import describe_policy
 from spectune.report.render import code_span, fence, md_escape
@@ -157,6 +158,9 @@ def test_report_after_tune_includes_the_tuning_results(run, tuned, tmp_path, spe
     # nor a batch size held out: leaving one of two would carry the other's draft terms over; the report says why
     assert not any(r["holdout"] == "batch_size" for r in tuning["holdout"]["summary"])
     assert "Leave one batch size out: not computed (no method measured at three batch sizes or more" in section
+    # two step counts a method: each held-out g is its smallest or largest (extrapolated), and the report says so
+    assert not any(r["holdout"] == "step_count_inside" for r in tuning["holdout"]["summary"])
+    assert f"Leave one step count out, inside the measured range: {NONE_INSIDE}." in section
 
 
 def test_report_shows_deploy_commands_verdict_and_exhaustive_from_tuning_json(tuned, tmp_path):

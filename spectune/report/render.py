@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from spectune.holdout import ANCHOR_NOTE, HOLDOUT_NAMES, HOLDOUTS, NOISE_FLOOR_MEANING, NOT_COMPUTED, ONE_LAUNCH_NOTE
+from spectune.holdout import ANCHOR_NOTE, HOLDOUT_NAMES, HOLDOUTS, NOISE_FLOOR_MEANING, NONE_INSIDE, NOT_COMPUTED, ONE_LAUNCH_NOTE
 from spectune.report.data import ReportData
 from spectune.report.plots import Plot
 from spectune.summary import pick_notes
@@ -209,6 +209,8 @@ def holdout_noise(data: ReportData) -> str:
         return ""
     done = set(t.holdout["holdout"]) if "holdout" in t.holdout else set()
     missing = " ".join(f"{HOLDOUT_NAMES[h].capitalize()}: not computed ({NOT_COMPUTED[h]})." for h in HOLDOUTS if done and h not in done)
+    if t.holdout_split and "step_count" in done and "step_count_inside" not in done:
+        missing = f"{missing} {HOLDOUT_NAMES['step_count_inside'].capitalize()}: {NONE_INSIDE}.".strip()
     anchor = f"Here {ANCHOR_NOTE}." if t.holdout_anchor_smoothed else ""
     floor = ""
     if not math.isnan(t.holdout_noise_pct):
