@@ -175,9 +175,9 @@ def verdict_text(diffs: tuple[Difference, ...], metric_words: str, passes: int, 
 
 
 def naming_run(text: str, results_dir: object) -> str:
-    """A verdict's text with its spectune tune / confirm commands naming this run: tuning.json says RESULTS (the
+    """A verdict's or held-out note's text with its spectune commands naming this run: tuning.json says RESULTS (the
     directory may move), a console line or the report knows which run it is."""
-    return re.sub(r"spectune (tune|confirm) RESULTS", lambda m: f"spectune {m.group(1)} {results_dir}", text)
+    return re.sub(r"spectune (tune|confirm|sweep --resume) RESULTS", lambda m: f"spectune {m.group(1)} {results_dir}", text)
 
 
 def action_text(diffs: tuple[Difference, ...], finished: bool, static_steps: int | None = None, exhausted: bool = False) -> str:

@@ -95,7 +95,7 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcom
                                                   tuned=refined, refined=record)
         outcome.verdict_lines = verdict_lines(outdir / "tuning.json")
         for line in holdout_lines(json.loads((outdir / "tuning.json").read_text()).get("holdout", {})):
-            log(line)
+            log(naming_run(line, options.results_dir))
     return outcome
 
 

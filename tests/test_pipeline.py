@@ -96,6 +96,9 @@ def test_sweep_measures_tunes_writes_configs_and_report_then_summarises(pipeline
     verdict = next(line for line in lines if line.startswith("verdict (simulated): "))
     assert report["verdict"]["text"].split(" (simulated over")[0] in verdict and f"spectune confirm {report['results_dir']})" in verdict
     assert f"exhaustive: {report['exhaustive']['text']}" in lines
+    # the noise floor's command to add repeats on fresh launches names the run too (one launch a server here)
+    floor = next(line for line in lines if line.startswith("noise floor: "))
+    assert "RESULTS" not in floor and f"spectune sweep --resume {report['results_dir']} --repeats N" in floor
 
     # the closing summary: one row per batch size, with the recommendation_table's figures, then every file
     header = next(i for i, line in enumerate(lines) if line.startswith("batch size"))

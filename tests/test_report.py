@@ -153,6 +153,8 @@ def test_report_after_tune_includes_the_tuning_results(run, tuned, tmp_path, spe
     assert f"Noise floor: {tuning['holdout']['noise_floor_pct']:.1f}%." in section
     # measured on one launch per server, the report says what the floor leaves out and how to put it in
     assert tuning["holdout"]["noise_floor_one_launch"] is True and "relaunch = true in the plan" in section
+    # its command to add repeats names this run, not the RESULTS that tuning.json keeps
+    assert "spectune sweep --resume RESULTS" not in section and "spectune sweep --resume " in section
     # two batch sizes: target-only's anchor has nothing to be smoothed over, and the report does not say it was
     assert tuning["holdout"]["anchor_smoothed"] is False and "smoothed over batch sizes" not in section
     # nor a batch size held out: leaving one of two would carry the other's draft terms over; the report says why

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from spectune.confirm import naming_run
 from spectune.holdout import ANCHOR_NOTE, HOLDOUT_NAMES, HOLDOUTS, NOISE_FLOOR_MEANING, NONE_INSIDE, NOT_COMPUTED, ONE_LAUNCH_NOTE
 from spectune.report.data import ReportData
 from spectune.report.plots import Plot
@@ -216,7 +217,7 @@ def holdout_noise(data: ReportData) -> str:
     if not math.isnan(t.holdout_noise_pct):
         note = f" Here {ONE_LAUNCH_NOTE}." if t.holdout_one_launch else ""
         floor = f"Noise floor: {t.holdout_noise_pct:.1f}%. {NOISE_FLOOR_MEANING[0].upper()}{NOISE_FLOOR_MEANING[1:]}.{note}"
-    return " ".join(part for part in (missing, floor, anchor) if part)
+    return naming_run(" ".join(part for part in (missing, floor, anchor) if part), data.results_dir)
 
 
 def method_tables(data: ReportData) -> list[tuple[str, str, Table]]:
