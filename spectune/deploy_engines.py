@@ -328,7 +328,8 @@ def _no_equivalent(refused: dict[str, str], engine: str) -> str:
 
 
 def _schedule_text(schedule: list[tuple[int, int, int]]) -> str:
-    return ", ".join(f"batch {a}-{b}: {k}" if a != b else f"batch {a}: {k}" for a, b, k in schedule) + " (the last k holds above)"
+    ranges = ", ".join(f"batch {a}-{b}: {k}" if a != b else f"batch {a}: {k}" for a, b, k in schedule)
+    return f"{ranges} (larger batches keep {schedule[-1][2]})"
 
 
 def _draft_path(score: MethodScore, override: str | None) -> str | None:

@@ -284,7 +284,7 @@ def describe_vllm_config(cfg: VllmSpecConfig) -> str:
         text += f", model={cfg.model}"
     if cfg.num_speculative_tokens_per_batch_size:
         ranges = [f"{a}-{b}:{k}" for a, b, k in cfg.num_speculative_tokens_per_batch_size]
-        text += f", schedule {', '.join(ranges)} (last k holds above)"
+        text += f", schedule {', '.join(ranges)} (larger batches keep the last)"
     return text
 
 

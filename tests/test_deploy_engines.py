@@ -102,6 +102,7 @@ def test_eagle_fastest_sglang_runs_it_vllm_and_llamacpp_get_what_they_can_load_w
     assert vllm.num_speculative_tokens_per_batch_size == [(1, 15, 3), (16, 16, 0)]  # measured: ngram loses at 16
     assert "eagle measured faster but has no vLLM equivalent here" in d["vllm"].note
     assert "the fastest measured method vLLM can load" in d["vllm"].note
+    assert "batch 1-15: 3, batch 16: 0 (larger batches keep 0)" in d["vllm"].note  # the schedule, as the file has it
     assert json.loads(shlex.split(d["vllm"].command)[-1]) == json.loads(d["vllm"].file.read_text())
 
     flags = d["llamacpp"].file.read_text().split()
