@@ -175,6 +175,12 @@ def mean_error_pct(mean: float, sd: float, n: int) -> float:
     return 100.0 * math.sqrt(2.0 / math.pi) * sd / (c4 * math.sqrt(n)) / mean
 
 
+def marks_extrapolated(report: dict[str, object]) -> bool:
+    """Whether tuning.json's "holdout" marks each held-out cell extrapolated or not (those from before it have no
+    "_inside" rows at all, for lack of the mark, not of values inside the range)."""
+    return any(isinstance(c, dict) and "extrapolated" in c for c in report.get("cells") or [])
+
+
 def holdout_lines(report: dict[str, object]) -> list[str]:
     """One console line per way of holding out, over all methods."""
     summary = report.get("summary") or []
@@ -183,7 +189,7 @@ def holdout_lines(report: dict[str, object]) -> list[str]:
     if not summary:
         return lines
     computed = {row["holdout"] for row in summary}
-    split = any("extrapolated" in c for c in report.get("cells") or [])  # tuning.json from before the split: no "_inside"
+    split = marks_extrapolated(report)
     for row in summary:
         if row["method"] != "all":
             continue

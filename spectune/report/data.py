@@ -16,6 +16,7 @@ from spectune.confirm import naming_run
 from spectune.drain import request_speeds
 from spectune.errors import SpectuneError
 from spectune.guided import model_fit, trusted_tps, untrusted_notes
+from spectune.holdout import marks_extrapolated
 from spectune.store import first_target, load_run
 
 POS_COLUMN = re.compile(r"^accept_pos_(\d+)$")
@@ -61,7 +62,7 @@ class Tuning:
     holdout_noise_pct: float = math.nan  # spectune.holdout.noise_floor (NaN: not known): what a cell disagrees with itself by
     holdout_one_launch: bool = False  # spectune.holdout.one_launch: the repeats ran on one launch of each server
     holdout_anchor_smoothed: bool = False  # target-only's anchor smoothed over batch sizes (servers one after another)
-    holdout_split: bool = False  # held-out cells marked extrapolated or not (spectune.holdout): "_inside" rows exist where any is not
+    holdout_split: bool = False  # spectune.holdout.marks_extrapolated: "_inside" rows exist wherever a held-out value was inside
     # the measured verdict per batch size: batch_size, then the tuned config's gain (%) over each compared config
     verdict_by_batch_size: pd.DataFrame = field(default_factory=pd.DataFrame)
     refined: str | None = None  # how the tuned config was refined from measurements (spectune.refine), if it was
@@ -296,7 +297,7 @@ def read_tuning(results: Path) -> Tuning | None:
         holdout_noise_pct=_float((raw.get("holdout") or {}).get("noise_floor_pct")),
         holdout_one_launch=bool((raw.get("holdout") or {}).get("noise_floor_one_launch")),
         holdout_anchor_smoothed=bool((raw.get("holdout") or {}).get("anchor_smoothed")),
-        holdout_split=any(isinstance(c, dict) and "extrapolated" in c for c in (raw.get("holdout") or {}).get("cells") or []),
+        holdout_split=marks_extrapolated(raw.get("holdout") or {}),
         verdict_by_batch_size=_by_batch_size(raw.get("verdict")),
         refined=_refined_text(raw.get("refined")),
     )
