@@ -181,6 +181,12 @@ def marks_extrapolated(report: dict[str, object]) -> bool:
     return any(isinstance(c, dict) and "extrapolated" in c for c in report.get("cells") or [])
 
 
+def none_inside(computed: set[str], marked: bool) -> bool:
+    """Whether leaving a step count out was computed with no held-out g inside the measured range (NONE_INSIDE),
+    from the holdouts of the summary and whether its cells are marked extrapolated (marks_extrapolated)."""
+    return marked and "step_count" in computed and "step_count_inside" not in computed
+
+
 def holdout_lines(report: dict[str, object]) -> list[str]:
     """One console line per way of holding out, over all methods."""
     summary = report.get("summary") or []
@@ -188,15 +194,14 @@ def holdout_lines(report: dict[str, object]) -> list[str]:
              for h in HOLDOUTS if not any(row["holdout"] == h for row in summary)]
     if not summary:
         return lines
-    computed = {row["holdout"] for row in summary}
-    split = marks_extrapolated(report)
+    inside_note = none_inside({row["holdout"] for row in summary}, marks_extrapolated(report))
     for row in summary:
         if row["method"] != "all":
             continue
         what = HOLDOUT_NAMES.get(row["holdout"], row["holdout"])
         figures = ", ".join(f"{m} {row[f'{m}_mean_abs_pct']:.1f}% (max {row[f'{m}_max_abs_pct']:.1f}%)" for m in METRICS)
         lines.append(f"held-out error, {what} ({row['cells']} cells): mean abs {figures}")
-        if row["holdout"] == "step_count" and "step_count_inside" not in computed and split:
+        if row["holdout"] == "step_count" and inside_note:
             lines.append(f"held-out error, {HOLDOUT_NAMES['step_count_inside']}: {NONE_INSIDE}")
     if report.get("anchor_smoothed"):
         lines.append(f"anchor: {ANCHOR_NOTE}")

@@ -93,8 +93,9 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcom
     if not options.worker:
         outcome.summary, outcome.files = finalize(study, bench, run.cells, run.manifest, options, outdir, outcome, log,
                                                   tuned=refined, refined=record)
-        outcome.verdict_lines = verdict_lines(outdir / "tuning.json")
-        for line in holdout_lines(json.loads((outdir / "tuning.json").read_text()).get("holdout", {})):
+        report = json.loads((outdir / "tuning.json").read_text())
+        outcome.verdict_lines = verdict_lines(report, options.results_dir)
+        for line in holdout_lines(report.get("holdout", {})):
             log(naming_run(line, options.results_dir))
     return outcome
 
@@ -149,15 +150,12 @@ def bench_digest(bench: Bench) -> str:
     return hashlib.sha1(json.dumps(figures).encode()).hexdigest()[:8]
 
 
-def verdict_lines(tuning_json: Path) -> list[str]:
-    """What tuning.json says a user should conclude: the verdict (measured or simulated) and the exhaustive bound."""
-    import json
-
-    report = json.loads(tuning_json.read_text())
+def verdict_lines(report: dict, results_dir: Path) -> list[str]:
+    """What tuning.json (`report`) says a user should conclude: the verdict (measured or simulated), its commands
+    naming the run, and the exhaustive bound."""
     lines = []
     if "verdict" in report:
-        text = naming_run(report["verdict"]["text"], report.get("results_dir", "RESULTS"))
-        lines.append(f"verdict ({report['verdict']['source']}): {text}")
+        lines.append(f"verdict ({report['verdict']['source']}): {naming_run(report['verdict']['text'], results_dir)}")
     if "exhaustive" in report:
         lines.append(f"exhaustive: {report['exhaustive']['text']}")
     return lines

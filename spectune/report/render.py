@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from spectune.confirm import naming_run
-from spectune.holdout import ANCHOR_NOTE, HOLDOUT_NAMES, HOLDOUTS, NOISE_FLOOR_MEANING, NONE_INSIDE, NOT_COMPUTED, ONE_LAUNCH_NOTE
+from spectune.holdout import ANCHOR_NOTE, HOLDOUT_NAMES, HOLDOUTS, NOISE_FLOOR_MEANING, NONE_INSIDE, NOT_COMPUTED, ONE_LAUNCH_NOTE, none_inside
 from spectune.report.data import ReportData
 from spectune.report.plots import Plot
 from spectune.summary import pick_notes
@@ -210,7 +210,7 @@ def holdout_noise(data: ReportData) -> str:
         return ""
     done = set(t.holdout["holdout"]) if "holdout" in t.holdout else set()
     missing = " ".join(f"{HOLDOUT_NAMES[h].capitalize()}: not computed ({NOT_COMPUTED[h]})." for h in HOLDOUTS if done and h not in done)
-    if t.holdout_split and "step_count" in done and "step_count_inside" not in done:
+    if none_inside(done, t.holdout_split):
         missing = f"{missing} {HOLDOUT_NAMES['step_count_inside'].capitalize()}: {NONE_INSIDE}.".strip()
     anchor = f"Here {ANCHOR_NOTE}." if t.holdout_anchor_smoothed else ""
     floor = ""
