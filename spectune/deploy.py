@@ -64,7 +64,7 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
             "acceptance_from": str(options.acceptance_from) if options.acceptance_from else None} if bench.replay is not None else {}),
         **assessed,
         **fit_report(bench.fit, cells, options.objective),
-        "holdout": holdout_report(cells, bench.speeds, side_by_side=bool(manifest.get("plan", {}).get("interleave", False))),
+        "holdout": holdout_report(cells, bench.speeds),
         **({"refined": refined} if refined else {}),
         "files": [p.name for p in files],
         "notes": notes,

@@ -7,11 +7,12 @@ Two ways to hold cells out, per engine + method:
   a method measured at two batch sizes, as a guided sweep's seeds leave it, is not held out this way).
 
 A cell here is one (server, batch size), its measured figures the mean over repeats. Three figures are predicted from
-the fit's ms per token (RoundCost.ms_per_token, anchored on target-only's measured ms per token at that batch size,
+the fit's ms per token (RoundCost.ms_per_token, anchored on target-only's ms per token at that batch size,
 times how the cell's server ran at the batch sizes the fit saw, costmodel.server_factors: none when its step count is
-held out). Where the servers ran one after another (the plan not interleaved) the anchor is target-only's ms per token
-smoothed over batch sizes (costmodel.smoothed_target): its cell at one batch size ran at a moment of the host that no
-speculative cell shares; side by side, they shared it, and the anchor is as measured.
+held out). The anchor is target-only's ms per token smoothed over batch sizes (costmodel.smoothed_target, four batch
+sizes or more): its cell at one batch size is one closed loop whose noise no speculative cell there shares, even with
+the servers side by side (plan.interleave): on four embedded grids its deviation from the smooth curve was 7% RMS and
+uncorrelated with the speculative servers' at the same batch size and repeat (r = -0.07, benchmarks/README.md).
 - output throughput: 1000 x batch size / predicted ms per token, times the cell's drain (spectune.drain: the share of
   steady throughput a closed loop's window keeps, simulated from its requests' speeds);
 - speedup over target-only: target-only's measured ms per token / predicted ms per token, times the drain;
@@ -48,8 +49,8 @@ ONE_LAUNCH_NOTE = ("the repeats ran on one launch of each server, so how far lau
                    "in the plan measures every repeat on a fresh launch, spectune sweep --resume RESULTS --repeats N adds "
                    "repeats on fresh launches to this run, and spectune merge pools it with runs of the plan made at other times")
 ANCHOR_NOTE = ("target-only's ms per token, which every prediction at its batch size starts from, is smoothed over batch sizes: "
-               "the servers ran one after another, so its cell at one batch size ran at a moment of the host that no "
-               "speculative cell shared")
+               "its cell at one batch size is one closed loop whose noise the speculative cells there do not share, even "
+               "side by side")
 HOLDOUTS = ("step_count", "batch_size")
 # Values a method needs measured to hold one out: a step count leaves one g beside target-only's g = 0 (a line in g);
 # a batch size must leave two, to carry the draft terms along batch size (from one, the terms of batch 32 land on 1).
@@ -67,19 +68,19 @@ NONE_INSIDE = ("none: every held-out step count was its method's smallest or lar
                "extrapolates (two step counts leave one); measure three or more to hold one out inside the range")
 
 
-def holdout_predictions(cells: pd.DataFrame, speeds: Speeds | None = None, side_by_side: bool = True) -> pd.DataFrame:
+def holdout_predictions(cells: pd.DataFrame, speeds: Speeds | None = None) -> pd.DataFrame:
     """One row per held-out cell and way of holding out: holdout, engine, method, server, batch_size, g, extrapolated
     (the held-out value is its method's smallest or largest: the fit extrapolates to it), and per metric predicted_<m>,
     measured_<m>, <m>_abs_pct_error. A method is held out by step count where it has two (a held-out g's cells
     only at batch sizes where it kept a cell) and by batch size where it has three (MIN_VALUES). With the requests'
     speeds (spectune.drain.request_speeds) the fit is on steady throughput and each held-out closed-loop cell's
-    predicted tok/s and speedup are scaled by its drain, from the speeds of the cells the fit saw. side_by_side False
-    (servers measured one after another, not plan.interleave): target-only's anchor is smoothed over batch sizes
-    (costmodel.smoothed_target); the measured speedup stays over target-only as measured."""
+    predicted tok/s and speedup are scaled by its drain, from the speeds of the cells the fit saw. Target-only's
+    anchor is smoothed over batch sizes (costmodel.smoothed_target, module docstring); the measured speedup stays over
+    target-only as measured."""
     speeds = speeds or {}
     measured, _ = split_failed(cells)
     measured_target = measured[~measured["is_speculative"].astype(bool)].dropna(subset=["output_throughput_tps"])
-    smoothed = None if side_by_side else smoothed_target(cells)
+    smoothed = smoothed_target(cells)
     usable, _ = split_failed(cells if smoothed is None else smoothed)
     usable = usable.dropna(subset=["output_throughput_tps"])
     static = usable[usable["is_speculative"].astype(bool) & usable["adaptive_config"].isna() & (usable["num_speculative_tokens"] > 0)]
@@ -128,15 +129,15 @@ def holdout_summary(predictions: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def holdout_report(cells: pd.DataFrame, speeds: Speeds | None = None, side_by_side: bool = True) -> dict[str, object]:
+def holdout_report(cells: pd.DataFrame, speeds: Speeds | None = None) -> dict[str, object]:
     """tuning.json's "holdout": what it means, the summary and every held-out cell."""
-    predictions = holdout_predictions(cells, speeds, side_by_side)
-    smoothed = not side_by_side and smoothed_target(cells) is not None
+    predictions = holdout_predictions(cells, speeds)
+    smoothed = smoothed_target(cells) is not None
     return {
         "meaning": "each static speculative cell (server, batch size; mean over repeats) predicted by a fit that did not see "
                    "it: leave one step count out (g), leave one batch size out (target-only kept); absolute % error of "
                    "TPOT, output tokens/s and speedup over target-only; anchored on target-only's ms per token "
-                   + ("smoothed over batch sizes (servers measured one after another)" if smoothed else "as measured"),
+                   + ("smoothed over batch sizes" if smoothed else "as measured (fewer than four batch sizes to smooth over)"),
         "summary": holdout_summary(predictions).to_dict("records"),
         "cells": predictions.to_dict("records"),
         "noise_floor_pct": noise_floor(cells),

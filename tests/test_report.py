@@ -183,7 +183,7 @@ def test_report_shows_deploy_commands_verdict_and_exhaustive_from_tuning_json(tu
     assert r"\<head\>" in answer_md
     assert "--speculative-config &#39;{&#34;method&#34;: &#34;ngram&#34;" in page and "&lt;head&gt;" in page
     assert "tuned adaptive is better than SGLang" in answer_md and "found 97% of the exhaustive best" in md
-    # a held-out error whose anchor was smoothed (servers one after another, four batch sizes or more) says so under it
+    # a held-out error whose anchor was smoothed (four batch sizes or more) says so under it
     holdout = md.split("### The model on cells it did not see", 1)[1].split("##", 1)[0]
     assert "Here target-only's ms per token, which every prediction at its batch size starts from, is smoothed" in holdout
     assert "is smoothed over batch sizes" in page

@@ -61,7 +61,7 @@ class Tuning:
     holdout: pd.DataFrame = field(default_factory=pd.DataFrame)
     holdout_noise_pct: float = math.nan  # spectune.holdout.noise_floor (NaN: not known): what a cell disagrees with itself by
     holdout_one_launch: bool = False  # spectune.holdout.one_launch: the repeats ran on one launch of each server
-    holdout_anchor_smoothed: bool = False  # target-only's anchor smoothed over batch sizes (servers one after another)
+    holdout_anchor_smoothed: bool = False  # target-only's anchor smoothed over batch sizes (four or more)
     holdout_split: bool = False  # spectune.holdout.marks_extrapolated: "_inside" rows exist wherever a held-out value was inside
     # the measured verdict per batch size: batch_size, then the tuned config's gain (%) over each compared config
     verdict_by_batch_size: pd.DataFrame = field(default_factory=pd.DataFrame)
