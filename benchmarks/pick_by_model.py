@@ -8,6 +8,12 @@ and as `spectune sweep` takes it, by the cost model fitted on every cell of that
 Each pick is scored by the mean output tokens/s of the other runs: gap = 1 - their tok/s of the pick / their best at
 that batch size (0: the pick is what the other runs measured fastest). A GUIDED run (`spectune sweep PLAN --budget B`
 of the same plan) is scored by the mean of all the RUNs.
+
+Then the guided run against each full grid's recommendation (the model's pick, what `spectune sweep` answers): both
+scored by the mean tok/s of the other RUNs, neither of which either pick was taken from, gap = 1 - their tok/s of the
+guided pick / their tok/s of the grid's pick (below 0: the guided pick measured faster). The best by the scoring runs'
+mean is the largest of many noisy means and sits above every pick; the grid's recommendation is scored as the guided
+one is.
 """
 
 from __future__ import annotations
@@ -33,8 +39,8 @@ def picks(run: Run, by_model: bool) -> pd.DataFrame:
     return recommendation_table(run.cells, limit, first_target(run.manifest, run.cells), expected)[["batch_size", "server"]]
 
 
-def row(name: str, scored_by: str, run: Run, truth: pd.Series) -> str:
-    measured, model = picks(run, False), picks(run, True)
+def row(name: str, scored_by: str, run: Run, model: pd.DataFrame, truth: pd.Series) -> str:
+    measured = picks(run, False)
     a, b = truth_gaps(measured, truth), truth_gaps(model, truth)
     differ = (measured.set_index("batch_size")["server"] != model.set_index("batch_size")["server"]).sum()
     return f"| {name} | {scored_by} | {a.mean():.2%} / {a.max():.2%} | {b.mean():.2%} / {b.max():.2%} | {differ} of {len(a)} |"
@@ -49,15 +55,30 @@ def main() -> None:
         ap.error("give two runs of one plan or more: each is scored by the others")
     runs = {p: load_run(p) for p in args.runs}
     means = {p: mean_tps(r.cells) for p, r in runs.items()}
+    guided = {path: load_run(path) for path in args.guided}
+    model = {p: picks(r, True) for p, r in (runs | guided).items()}  # the model's pick: one fit a run
     print("| pick from | scored by (mean tok/s of) | measured fastest: mean / max gap | cost model's pick: mean / max gap | batch sizes where they differ |")
     print("|---|---|---|---|---|")
     for path, run in runs.items():
         others = [p for p in runs if p != path]
         truth = pd.concat([means[p] for p in others], axis=1).mean(axis=1)
-        print(row(path.name, ", ".join(p.name for p in others), run, truth))
+        print(row(path.name, ", ".join(p.name for p in others), run, model[path], truth))
     everything = pd.concat(list(means.values()), axis=1).mean(axis=1)
-    for path in args.guided:
-        print(row(f"{path.name} (guided)", ", ".join(p.name for p in runs), load_run(path), everything))
+    for path, run in guided.items():
+        print(row(f"{path.name} (guided)", ", ".join(p.name for p in runs), run, model[path], everything))
+    if guided:
+        print("\n| guided run | against the recommendation of | scored by (mean tok/s of) | gap to it: mean / max | batch sizes where the picks differ |")
+        print("|---|---|---|---|---|")
+    for path in guided:
+        mine = model[path].set_index("batch_size")["server"]
+        for grid in runs:
+            others = [p for p in runs if p != grid]
+            truth = pd.concat([means[p] for p in others], axis=1).mean(axis=1)
+            theirs = model[grid].set_index("batch_size")["server"].reindex(mine.index)
+            gap = pd.Series({bs: 1.0 - truth.get((bs, mine[bs]), float("nan")) / truth.get((bs, theirs[bs]), float("nan"))
+                             for bs in mine.index})
+            print(f"| {path.name} | {grid.name} | {', '.join(p.name for p in others)} | {gap.mean():.2%} / {gap.max():.2%} | "
+                  f"{int((mine != theirs).sum())} of {len(mine)} |")
 
 
 if __name__ == "__main__":
