@@ -28,7 +28,7 @@ Variants, each a full spectune.holdout run on the same cells:
                drain (spectune.drain, from the requests' speeds), TPOT through its simulated occupancy (since
                5 December 2026)
   +anchor    : and target-only's anchor smoothed over batch sizes (costmodel.smoothed_target: its cell at one batch
-               size is one closed loop whose noise no speculative cell there shares; until 6 December 2026 night
+               size is one closed loop whose noise no speculative cell there shares; until 6 December 2026 evening
                only where the plan was not interleaved, since then always)
   +share     : +drain with the joint draft terms as shares of target-only's round, lines in log batch size
                (costmodel._joint_fit, since 5 December 2026 evening), the anchor as measured

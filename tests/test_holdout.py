@@ -279,7 +279,7 @@ def _batch_size_errors(cells: pd.DataFrame) -> pd.Series:
     return p[p["holdout"] == "batch_size"].groupby("batch_size")["throughput_abs_pct_error"].mean()
 
 
-def test_a_slow_target_only_cell_is_smoothed_away_from_the_anchor():
+def test_a_slow_target_only_cell_is_smoothed_away_from_the_anchor(monkeypatch):
     """Every prediction at a batch size is anchored on target-only's ms per token there. Its cell at one batch size is one
     closed loop whose noise the speculative cells there do not share (side by side too: benchmarks/README.md); as
     measured, a slow target-only cell at batch 4 would carry into every prediction at 4 (and the opposite into 2 and 8,
@@ -289,12 +289,9 @@ def test_a_slow_target_only_cell_is_smoothed_away_from_the_anchor():
     cells = synthetic_cells(cost=SHARE, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=1, noise=0.0)
     slow = _slowed_target_at(cells, 4, 1.15)
     smoothed = _batch_size_errors(slow)
-    saved = holdout.smoothed_target
-    try:  # the anchor as measured, for the comparison: no smoothing
-        holdout.smoothed_target = lambda cells: None
+    with monkeypatch.context() as m:  # the anchor as measured, for the comparison: no smoothing
+        m.setattr(holdout, "smoothed_target", lambda cells: None)
         as_measured = _batch_size_errors(slow)
-    finally:
-        holdout.smoothed_target = saved
     assert as_measured[4] > 5 and as_measured[[2, 8]].min() > 2.5, as_measured  # and the opposite sign at 2 and 8
     assert smoothed.max() < 2.5 and smoothed.mean() < as_measured.mean() / 3, smoothed
     # tuning.json and the console say the anchor was smoothed; with fewer than four batch sizes there is nothing to smooth
