@@ -55,14 +55,14 @@ def main() -> None:
         ap.error("give two runs of one plan or more: each is scored by the others")
     runs = {p: load_run(p) for p in args.runs}
     means = {p: mean_tps(r.cells) for p, r in runs.items()}
+    others = {p: [o for o in runs if o != p] for p in runs}
+    truth = {p: pd.concat([means[o] for o in others[p]], axis=1).mean(axis=1) for p in runs}  # a run scored by the rest
     guided = {path: load_run(path) for path in args.guided}
     model = {p: picks(r, True) for p, r in (runs | guided).items()}  # the model's pick: one fit a run
     print("| pick from | scored by (mean tok/s of) | measured fastest: mean / max gap | cost model's pick: mean / max gap | batch sizes where they differ |")
     print("|---|---|---|---|---|")
     for path, run in runs.items():
-        others = [p for p in runs if p != path]
-        truth = pd.concat([means[p] for p in others], axis=1).mean(axis=1)
-        print(row(path.name, ", ".join(p.name for p in others), run, model[path], truth))
+        print(row(path.name, ", ".join(p.name for p in others[path]), run, model[path], truth[path]))
     everything = pd.concat(list(means.values()), axis=1).mean(axis=1)
     for path, run in guided.items():
         print(row(f"{path.name} (guided)", ", ".join(p.name for p in runs), run, model[path], everything))
@@ -72,12 +72,11 @@ def main() -> None:
     for path in guided:
         mine = model[path].set_index("batch_size")["server"]
         for grid in runs:
-            others = [p for p in runs if p != grid]
-            truth = pd.concat([means[p] for p in others], axis=1).mean(axis=1)
             theirs = model[grid].set_index("batch_size")["server"].reindex(mine.index)
-            gap = pd.Series({bs: 1.0 - truth.get((bs, mine[bs]), float("nan")) / truth.get((bs, theirs[bs]), float("nan"))
+            scored = truth[grid]
+            gap = pd.Series({bs: 1.0 - scored.get((bs, mine[bs]), float("nan")) / scored.get((bs, theirs[bs]), float("nan"))
                              for bs in mine.index})
-            print(f"| {path.name} | {grid.name} | {', '.join(p.name for p in others)} | {gap.mean():.2%} / {gap.max():.2%} | "
+            print(f"| {path.name} | {grid.name} | {', '.join(p.name for p in others[grid])} | {gap.mean():.2%} / {gap.max():.2%} | "
                   f"{int((mine != theirs).sum())} of {len(mine)} |")
 
 
