@@ -25,7 +25,9 @@ With --at-own-speed, also each server replayed pass by pass on a host as fast as
 pass (decode and prefill costs each times its cells' measured step wall / the wall the replay charges for those very
 steps, of that kind): the
 host's speed of the moment, measured on the baseline alone, so still a prediction for every other server; then each
-server at the speed its own engine ran in that cell: what the replay leaves out besides the host's speed, a
+server at the median speed of the pass's other speculative servers (also a prediction: its own steps are not used;
+on a slowed host target-only's steps slowed more than the speculative servers'); then each server at the speed its
+own engine ran in that cell: what the replay leaves out besides the host's speed, a
 diagnostic only (the speed is known after the fact); and the accepted
 drafts per request-round at each step count, replay vs engine, with how many drafts the engine's proposer offered.
 Passes spectune confirm would not count (other work on the machine, or the engine more than 15% slower than in the
@@ -100,6 +102,15 @@ def bracket_speed(run, server: str, cost: ServingCost) -> tuple[float, float]:
     return float(np.mean([k for k, _ in speeds])), float(np.mean([kp for _, kp in speeds]))
 
 
+def others_speed(run, server: str, cost: ServingCost) -> tuple[float, float]:
+    """The median speed (speeds_of) of the pass's speculative servers other than `server`: the host's speed of the
+    moment measured on work like a speculative server's (target-only's own steps slowed more than theirs on a slow
+    host: benchmarks/README.md), still a prediction for `server`, whose own step walls are not used."""
+    others = [s for s in run.round_logs if s != server and not is_baseline(s)]
+    speeds = [speeds_of(valid_steps(run, s), cost) for s in others]
+    return float(np.median([k for k, _ in speeds])), float(np.median([kp for _, kp in speeds]))
+
+
 def valid_steps(run, server: str) -> pd.DataFrame:
     steps = step_frame(run.round_logs[server])
     return steps[steps["wall_ms"].notna()]
@@ -108,7 +119,8 @@ def valid_steps(run, server: str) -> pd.DataFrame:
 def at_own_speed(fit_run, runs: list, method: str, draws: int, speed_of: str | None = None) -> pd.DataFrame:
     """Per server: the replay of each pass at the speed its engine ran in that cell (speed_of: at the speed the named
     server's engine ran in that pass instead, e.g. target-only's; "bracket": at the speed of the target-only cells
-    just before and after it, bracket_speed), beside the measured means."""
+    just before and after it, bracket_speed; "others": at the median speed of the pass's other speculative servers,
+    others_speed), beside the measured means."""
     fit = fit_sweep(fit_run.cells, method=method)
     horizon = max(fit.max_steps, 7)
     first = runs[0].cells
@@ -124,6 +136,8 @@ def at_own_speed(fit_run, runs: list, method: str, draws: int, speed_of: str | N
         for run in runs:
             if speed_of == "bracket":
                 k, k_prefill = bracket_speed(run, server, replay.cost)
+            elif speed_of == "others":
+                k, k_prefill = others_speed(run, server, replay.cost)
             else:
                 k, k_prefill = speeds_of(valid_steps(run, speed_of or server), replay.cost)
             sims = [simulate_requests(replay.traffic, policy, scaled(replay.cost, k, k_prefill), a, max_num_seqs=replay.max_num_seqs)
@@ -262,6 +276,8 @@ def main() -> None:
         if any(s.startswith(BRACKET) for s in runs[0].cells["server"]):
             tables["after, each cell at the speed of the target-only cells just before and after it"] = at_own_speed(
                 fit_run, runs, method, args.draws, "bracket")
+        tables["after, each cell at the median speed of the pass's other speculative servers"] = at_own_speed(
+            fit_run, runs, method, args.draws, "others")
         tables["after, each cell at its own speed"] = at_own_speed(fit_run, runs, method, args.draws)
         accepted = accepted_per_round(fit_run, runs, method)
         print("\naccepted drafts per request-round by the round's step count g, replay (calibrated) vs engine:")
