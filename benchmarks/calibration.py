@@ -106,7 +106,7 @@ def others_speed(run, server: str, cost: ServingCost) -> tuple[float, float]:
     """The median speed (speeds_of) of the pass's speculative servers other than `server`: the host's speed of the
     moment measured on work like a speculative server's (target-only's own steps slowed more than theirs on a slow
     host: benchmarks/README.md), still a prediction for `server`, whose own step walls are not used."""
-    others = [s for s in run.round_logs if s != server and not is_baseline(s)]
+    others = [s for s in run.round_logs if s != server and not is_baseline(s)] or [TARGET]  # none: the baseline's
     speeds = [speeds_of(valid_steps(run, s), cost) for s in others]
     return float(np.median([k for k, _ in speeds])), float(np.median([kp for _, kp in speeds]))
 
