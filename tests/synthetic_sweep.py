@@ -25,13 +25,13 @@ SYNTHETIC_COST = RoundCost(
     draft_fixed_ms=(0.8, 0.9, 1.1, 1.6, 2.5),
     per_step_ms=(1.2, 1.6, 2.4, 4.4, 9.0),
 )
-# Draft terms exactly the model's joint form (costmodel._joint_fit): shares of target-only's round, itself a quadratic
-# in log batch size, that are lines in log batch size. A held-out batch size's terms, inside the range or beyond it,
-# are predicted without error.
+# Draft terms exactly the model's joint form (costmodel._joint_columns): ms per round and per draft position, plus
+# shares of target-only's round (itself a quadratic in log batch size), per step a line in log batch size. A held-out
+# batch size's terms, inside the range or beyond it, are predicted without error.
 _SHARE_TARGET = tuple(3.0 * math.exp(0.15 * math.log(b) + 0.09 * math.log(b) ** 2) for b in (1, 2, 4, 8, 16))
 SHARE_COST = RoundCost(batch_sizes=(1, 2, 4, 8, 16), target_ms=_SHARE_TARGET,
-                       draft_fixed_ms=tuple(t * (0.30 + 0.02 * math.log2(b)) for b, t in zip((1, 2, 4, 8, 16), _SHARE_TARGET)),
-                       per_step_ms=tuple(t * (0.10 + 0.05 * math.log2(b)) for b, t in zip((1, 2, 4, 8, 16), _SHARE_TARGET)))
+                       draft_fixed_ms=tuple(0.4 + 0.25 * t for t in _SHARE_TARGET),
+                       per_step_ms=tuple(0.15 + t * (0.06 + 0.05 * math.log2(b)) for b, t in zip((1, 2, 4, 8, 16), _SHARE_TARGET)))
 SYNTHETIC_PROFILES = {
     "quote": AcceptanceProfile((0.95, 0.93, 0.92, 0.9, 0.9, 0.88, 0.88, 0.86)),
     "random": AcceptanceProfile((0.35, 0.3, 0.3, 0.25, 0.25, 0.2, 0.2, 0.2)),

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from spectune.costmodel import AcceptanceProfile, RoundCost, fit_sweep, recommend, server_factors
+from spectune.costmodel import JOINT_TERMS_LABEL, AcceptanceProfile, RoundCost, fit_sweep, recommend, server_factors
 from spectune.holdout import NONE_INSIDE, holdout_lines, holdout_predictions, holdout_report, holdout_summary, noise_floor, one_launch
 from synthetic_sweep import SHARE_COST as SHARE, SYNTHETIC_PROFILES, synthetic_cells
 
@@ -132,10 +132,10 @@ def test_round_cost_extrapolates_batch_size_along_the_nearest_line():
     assert cost.t_round(0.01, 1) >= 0.0
 
 
-def test_draft_terms_are_shares_of_target_only_in_one_line_in_log_batch_size_when_the_cells_allow_it():
+def test_draft_terms_are_overheads_and_shares_of_target_only_fitted_over_batch_sizes_when_the_cells_allow_it():
     cells = synthetic_cells(cost=SHARE, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=2, noise=0.03, seed=4)
     fit = fit_sweep(cells)
-    assert (fit.table["draft_terms"] == "joint, a share of target-only's round").all()
+    assert (fit.table["draft_terms"] == JOINT_TERMS_LABEL).all()
     table = fit.table.set_index("batch_size")
     assert table["per_step_ms"].to_numpy() == pytest.approx(SHARE.per_step_ms, rel=0.1, abs=0.05)
     for g in (1, 4, 8):
