@@ -445,7 +445,8 @@ def _local_fit(spec: pd.DataFrame) -> tuple[float, int]:
 
 MIN_BATCH_SIZES_FOR_JOINT = 3  # batch sizes with speculative cells for the draft terms to be lines in batch size
 RESIDUAL_FLOOR = 1e-3  # relative RMS residual below which fits are equal (no cell is measured that closely): fewer terms win
-JOINT_TERMS_LABEL = "joint: ms per round and step, and shares of target-only's round"  # the fit table's draft_terms
+JOINT_TERMS_LABEL = "joint, fitted over batch sizes"  # the fit table's draft_terms
+MIN_POINTS_PER_OVERHEAD_TERM = 3  # (batch size, g) points a term for the drafter's overhead in ms beside the shares
 
 
 def _joint_is_better(spec: pd.DataFrame, joint_sse: float, joint_terms: int) -> bool:
@@ -463,16 +464,24 @@ def _joint_basis(batch_size: np.ndarray, target_ms: np.ndarray) -> tuple[np.ndar
 
 
 def _joint_columns(scale: np.ndarray, x: np.ndarray, g: np.ndarray) -> np.ndarray:
-    """The joint draft terms' columns [n, 5], draft cost = c0 + c1 g + scale x (f0 + (s0 + s1 x) g): the drafter's own
-    overhead in ms per round and per draft position (a call, a pass per draft: the same at every batch size), and the
-    work that grows with the batch as the target's decode does, a share of its round, per step a line in log batch size."""
-    return np.column_stack([np.ones_like(scale), g, scale, scale * g, scale * x * g])
+    """The joint draft terms' columns [n, terms]. Where the cells measured MIN_POINTS_PER_OVERHEAD_TERM (batch size, g)
+    points a term, 5: draft cost = c0 + c1 g + scale x (f0 + (s0 + s1 x) g), the drafter's own overhead in ms per
+    round and per draft position (a call, a pass per draft: the same at every batch size) beside the work that grows
+    with the batch as the target's decode does, a share of its round, per step a line in log batch size. Else the shares
+    alone, 4: scale x (f0 + f1 x + (s0 + s1 x) g): five terms through the default plan's 6-8 points per method followed
+    their noise (held out leaving a batch size out, a new user's run went from 10.3 to 20.8% TPOT)."""
+    if len(np.unique(np.column_stack([x, g]), axis=0)) >= MIN_POINTS_PER_OVERHEAD_TERM * 5:
+        return np.column_stack([np.ones_like(scale), g, scale, scale * g, scale * x * g])
+    return scale[:, None] * np.column_stack([np.ones_like(x), x, g, x * g])
 
 
 def _joint_terms(coef: np.ndarray, scale: float, x: float) -> tuple[float, float]:
     """(draft_fixed_ms, per_step_ms) of _joint_columns' coefficients at one batch size."""
-    c0, c1, f0, s0, s1 = (float(c) for c in coef)
-    return c0 + scale * f0, c1 + scale * (s0 + s1 * x)
+    if len(coef) == 5:
+        c0, c1, f0, s0, s1 = (float(c) for c in coef)
+        return c0 + scale * f0, c1 + scale * (s0 + s1 * x)
+    f0, f1, s0, s1 = (float(c) for c in coef)
+    return scale * (f0 + f1 * x), scale * (s0 + s1 * x)
 
 
 MIN_BATCH_SIZES_TO_SMOOTH = 4  # target-only batch sizes below which a quadratic through them is the points themselves
@@ -496,9 +505,10 @@ def _joint_fit(target: pd.DataFrame, spec: pd.DataFrame) -> tuple[np.ndarray, fl
     drafter's call and its passes also cost the same ms at every batch size, which shares alone carried from the middle
     batch sizes to batch 1 too small (the draft cost over target-only's is flat in ms from batch 1 to 4 there).
     Held out on six embedded grids pooled, leaving a batch size out 5.6 / 5.1 / 5.2% -> 4.3 / 4.6 / 4.3% (TPOT / tok/s
-    / speedup) against shares alone (benchmarks/README.md, issue 12). (coefficients, residual sum of squares) or None
+    / speedup) against shares alone (benchmarks/README.md, issue 12); with fewer points the shares alone
+    (_joint_columns). (coefficients, residual sum of squares) or None
     where the cells do not determine them (fewer than MIN_BATCH_SIZES_FOR_JOINT batch sizes, one step count, or a
-    rank below the terms'). 5 terms against 2 per batch size: noise in one cell moves them far less, and a batch size
+    rank below the terms'). 4 or 5 terms against 2 per batch size: noise in one cell moves them far less, and a batch size
     or step count without cells is predicted from the rest."""
     base = ms_per_token(target).groupby(target["batch_size"]).mean().dropna()
     spec = spec.dropna(subset=["output_throughput_tps", "tpot_ms_mean", "acceptance_length"])

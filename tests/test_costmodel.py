@@ -24,7 +24,7 @@ from spectune.costmodel import (
     speedup,
 )
 from spectune.errors import SpectuneError
-from synthetic_sweep import SYNTHETIC_COST, SYNTHETIC_PROFILES, SYNTHETIC_STEPS, synthetic_cells
+from synthetic_sweep import SHARE_COST, SYNTHETIC_COST, SYNTHETIC_PROFILES, SYNTHETIC_STEPS, synthetic_cells
 
 # /work/shared/reference/003 (ch. 4): the spec, copied as printed. E[tokens per round] by alpha, g = 2, 4, 7, 10.
 DOC_EXPECTED_TOKENS = {
@@ -152,6 +152,16 @@ def test_the_joint_draft_terms_replace_a_batch_sizes_square_term_with_its_line()
     assert local.set_index("batch_size").loc[16, "per_step_sq_ms"] > 0
     joint = _joint_table(local, target, _joint_fit(target, spec)[0])
     assert (joint["per_step_sq_ms"] == 0.0).all()
+
+
+def test_the_drafters_overhead_in_ms_is_fitted_only_where_the_cells_measured_three_points_a_term():
+    # SYNTHETIC: 10 (batch size, g) points keep the shares alone (4 terms: 5 through the default plan's 6-8 points
+    # followed their noise); 30 add the overhead per round and per step (5)
+    for steps, terms in (((2, 4), 4), (SYNTHETIC_STEPS, 5)):
+        cells = synthetic_cells(cost=SHARE_COST, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, steps=steps, noise=0.0)
+        ok = cells[cells["status"] == "ok"]
+        coef, _ = _joint_fit(ok[~ok["is_speculative"]], ok[ok["is_speculative"]])
+        assert len(coef) == terms
 
 
 def test_fit_defaults_to_the_method_that_measured_fastest_not_the_most_measured():
