@@ -79,16 +79,6 @@ VARIANTS = ("before", "+bs extrap", "+joint", "+request", "+trend", "+bs accept"
             "+share", "+share anchor", "+overhead", "held below")
 
 
-def _line_columns(scale, x, g):
-    """The joint draft terms before "+overhead": scale x (f0 + f1 x + (s0 + s1 x) g), four terms."""
-    return scale[:, None] * np.column_stack([np.ones_like(x), x, g, x * g])
-
-
-def _line_terms(coef, scale, x):
-    f0, f1, s0, s1 = (float(c) for c in coef)
-    return scale * (f0 + f1 * x), scale * (s0 + s1 * x)
-
-
 def _absolute_basis(batch_size, target_ms):
     """The joint draft terms before "+share": lines in batch size in ms, not shares of target-only's round."""
     return np.ones_like(batch_size), batch_size
@@ -119,7 +109,7 @@ def _variant(name: str) -> dict[str, object]:
     if VARIANTS.index(name) < 10:
         patch["_joint_basis"] = _absolute_basis
     if VARIANTS.index(name) < 12 or name == "held below":
-        patch["_joint_columns"], patch["_joint_terms"] = _line_columns, _line_terms
+        patch["_joint_columns"] = costmodel._share_columns  # the shares alone at any number of points
     if VARIANTS.index(name) < 2:
         patch["_joint_fit"] = lambda target, spec: None
     if name == "before":

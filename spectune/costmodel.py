@@ -472,6 +472,11 @@ def _joint_columns(scale: np.ndarray, x: np.ndarray, g: np.ndarray) -> np.ndarra
     their noise (held out leaving a batch size out, a new user's run went from 10.3 to 20.8% TPOT)."""
     if len(np.unique(np.column_stack([x, g]), axis=0)) >= MIN_POINTS_PER_OVERHEAD_TERM * 5:
         return np.column_stack([np.ones_like(scale), g, scale, scale * g, scale * x * g])
+    return _share_columns(scale, x, g)
+
+
+def _share_columns(scale: np.ndarray, x: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """The shares alone [n, 4]: scale x (f0 + f1 x + (s0 + s1 x) g)."""
     return scale[:, None] * np.column_stack([np.ones_like(x), x, g, x * g])
 
 
