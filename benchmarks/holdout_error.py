@@ -1,6 +1,7 @@
 """Held-out prediction error of the cost model on a results directory, before and after the model terms of issue 12.
 
     python benchmarks/holdout_error.py RESULTS [RESULTS ...] [--repeats 1,2,3] [--pool] [--variants "+share,+share anchor"] [--by-value]
+                                       [--scored-by-others]
 
 --repeats uses only those repeats of each cell (numbered from 0): on a run measured with more, the same cells averaged
 over fewer, or without a repeat that other work disturbed.
@@ -8,6 +9,11 @@ over fewer, or without a repeat that other work disturbed.
 --by-value also prints, per variant and way of holding out, the error at each held-out value (batch size or g) by
 method: mean absolute % error and mean signed % error (predicted over measured, below 0 where the model is low) of
 TPOT and output tokens/s.
+
+--scored-by-others (runs of one plan, not pooled) also scores each run's held-out predictions by the mean of the other
+runs (every server launched again there) instead of by the run's own cell, beside this run's own measured cell scored
+the same way: a deployment launches the server again, so that is what a prediction is for, and the measured row is
+what measuring the cell in this run would have given instead of predicting it.
 
 --pool treats the results directories (runs of one plan, e.g. at three times of a day) as one run whose repeats are
 all of theirs: each cell's mean is then over every launch of it, and a cell is held out of all of them at once.
@@ -187,6 +193,28 @@ def print_by_value(name: str, predictions: pd.DataFrame) -> None:
             print(f"| {value} | " + " | ".join(f"{v:+.1f}" if "signed" in m else f"{v:.1f}" for (m, _), v in row.items()) + " |")
 
 
+def others_mean(runs: list) -> pd.DataFrame:
+    """Per (server, batch size): TPOT, tok/s and speedup over target-only (each run's cell over its target-only at that
+    batch size), each the mean over the runs."""
+    frames = []
+    for run in runs:
+        ok = run.cells[run.cells["status"] == "ok"]
+        cell = ok.groupby(["server", "batch_size"]).agg(tpot=("tpot_ms_mean", "mean"), throughput=("output_throughput_tps", "mean"))
+        target = ok[~ok["is_speculative"].astype(bool)].groupby("batch_size")["output_throughput_tps"].mean()
+        frames.append(cell.assign(speedup=cell["throughput"] / target.reindex(cell.index.get_level_values("batch_size")).to_numpy()))
+    return pd.concat(frames).groupby(level=[0, 1]).mean()
+
+
+def scored_by(predictions: pd.DataFrame, truth: pd.DataFrame, column: str) -> pd.DataFrame:
+    """predictions with each metric's abs % error of `column`_<metric> (predicted or measured) against truth's."""
+    key = pd.MultiIndex.from_arrays([predictions["server"], predictions["batch_size"]])
+    out = predictions.copy()
+    for m in ("tpot", "throughput", "speedup"):
+        want = truth[m].reindex(key).to_numpy()
+        out[f"{m}_abs_pct_error"] = 100.0 * np.abs(predictions[f"{column}_{m}"].to_numpy() / want - 1.0)
+    return out
+
+
 def main() -> None:
     import argparse
 
@@ -200,7 +228,10 @@ def main() -> None:
     parser.add_argument("--pool", action="store_true", help="the results directories (runs of one plan) as one run")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants to run (default: all)")
     parser.add_argument("--by-value", action="store_true", help="also the error at each held-out batch size and g, by method")
+    parser.add_argument("--scored-by-others", action="store_true", help="also score each run's predictions by the other runs' mean")
     args = parser.parse_args()
+    if args.scored_by_others and (args.pool or len(args.results) < 2):
+        parser.error("--scored-by-others: give two runs of one plan or more, without --pool")
     variants = [v for v in args.variants.split(",") if v]
     if unknown := [v for v in variants if v not in VARIANTS]:
         parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
@@ -209,7 +240,8 @@ def main() -> None:
         sets = [(" + ".join(str(p) for p in args.results), *pooled(runs))]
     else:
         sets = [(str(path), run.cells, drain.request_speeds(run.requests)) for path, run in zip(args.results, runs)]
-    for path, cells, speeds in sets:
+    for k, (path, cells, speeds) in enumerate(sets):
+        truth = others_mean([r for j, r in enumerate(runs) if j != k]) if args.scored_by_others else None
         if args.repeats is not None:
             cells = cells[cells["repeat"].isin([int(r) for r in args.repeats.split(",")])]
             print(f"\n{path}: repeats {args.repeats} of each cell")
@@ -240,9 +272,14 @@ def main() -> None:
                     setattr(costmodel, k, v)
                 drain.fit_sweep, holdout.server_factors = costmodel.fit_sweep, costmodel.server_factors
                 holdout.smoothed_target = costmodel.smoothed_target
-            for r in summary.itertuples():
-                print(f"| {name} | {r.holdout} | {r.method} | {r.cells} | {r.tpot_mean_abs_pct:.1f} / {r.tpot_max_abs_pct:.1f} | "
-                      f"{r.throughput_mean_abs_pct:.1f} / {r.throughput_max_abs_pct:.1f} | {r.speedup_mean_abs_pct:.1f} / {r.speedup_max_abs_pct:.1f} |")
+            rows = [(name, summary)]
+            if truth is not None:
+                rows += [(f"{name}, scored by the other runs", holdout_summary(scored_by(predictions, truth, "predicted"))),
+                         (f"this run's measured cell, scored by the other runs", holdout_summary(scored_by(predictions, truth, "measured")))]
+            for label, table in rows:
+                for r in table.itertuples():
+                    print(f"| {label} | {r.holdout} | {r.method} | {r.cells} | {r.tpot_mean_abs_pct:.1f} / {r.tpot_max_abs_pct:.1f} | "
+                          f"{r.throughput_mean_abs_pct:.1f} / {r.throughput_max_abs_pct:.1f} | {r.speedup_mean_abs_pct:.1f} / {r.speedup_max_abs_pct:.1f} |")
         for name, predictions in per_value:
             print_by_value(name, predictions)
 

@@ -14,11 +14,16 @@ scored by the mean tok/s of the other RUNs, neither of which either pick was tak
 guided pick / their tok/s of the grid's pick (below 0: the guided pick measured faster). The best by the scoring runs'
 mean is the largest of many noisy means and sits above every pick; the grid's recommendation is scored as the guided
 one is.
+
+Last, how far that best sits above any measured pick: each batch size's fastest by the mean of k runs, scored by the
+mean of the others (every split of the RUNs, k up to half of them). Where even a pick by several runs' mean lands 2-4%
+below the best of the rest, that gap is launch noise, and a single run's pick (guided or not) cannot close it.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -44,6 +49,18 @@ def row(name: str, scored_by: str, run: Run, model: pd.DataFrame, truth: pd.Seri
     a, b = truth_gaps(measured, truth), truth_gaps(model, truth)
     differ = (measured.set_index("batch_size")["server"] != model.set_index("batch_size")["server"]).sum()
     return f"| {name} | {scored_by} | {a.mean():.2%} / {a.max():.2%} | {b.mean():.2%} / {b.max():.2%} | {differ} of {len(a)} |"
+
+
+def split_gaps(means: dict[Path, pd.Series], k: int) -> pd.Series:
+    """Per split of the runs into k and the rest: the mean gap over batch sizes of the fastest by the k runs' mean tok/s,
+    scored by the rest's mean."""
+    out = {}
+    for chosen in itertools.combinations(means, k):
+        picked = pd.concat([means[p] for p in chosen], axis=1).mean(axis=1)
+        truth = pd.concat([means[p] for p in means if p not in chosen], axis=1).mean(axis=1)
+        fastest = picked.groupby(level=0).idxmax().map(lambda key: key[1]).rename("server").reset_index()
+        out[" + ".join(p.name for p in chosen)] = truth_gaps(fastest, truth).mean()
+    return pd.Series(out)
 
 
 def main() -> None:
@@ -78,6 +95,11 @@ def main() -> None:
                              for bs in mine.index})
             print(f"| {path.name} | {grid.name} | {', '.join(p.name for p in others[grid])} | {gap.mean():.2%} / {gap.max():.2%} | "
                   f"{int((mine != theirs).sum())} of {len(mine)} |")
+    print("\n| fastest by the mean of | scored by the mean of | splits | gap to the best of the rest: mean (min, max over splits) |")
+    print("|---|---|---|---|")
+    for k in range(1, len(runs) // 2 + 1):
+        gaps = split_gaps(means, k)
+        print(f"| {k} run{'s' * (k > 1)} | the other {len(runs) - k} | {len(gaps)} | {gaps.mean():.2%} ({gaps.min():.2%}, {gaps.max():.2%}) |")
 
 
 if __name__ == "__main__":
