@@ -240,8 +240,8 @@ def main() -> None:
         sets = [(" + ".join(str(p) for p in args.results), *pooled(runs))]
     else:
         sets = [(str(path), run.cells, drain.request_speeds(run.requests)) for path, run in zip(args.results, runs)]
-    for k, (path, cells, speeds) in enumerate(sets):
-        truth = others_mean([r for j, r in enumerate(runs) if j != k]) if args.scored_by_others else None
+    for i, (path, cells, speeds) in enumerate(sets):
+        truth = others_mean([r for j, r in enumerate(runs) if j != i]) if args.scored_by_others else None
         if args.repeats is not None:
             cells = cells[cells["repeat"].isin([int(r) for r in args.repeats.split(",")])]
             print(f"\n{path}: repeats {args.repeats} of each cell")
@@ -275,7 +275,7 @@ def main() -> None:
             rows = [(name, summary)]
             if truth is not None:
                 rows += [(f"{name}, scored by the other runs", holdout_summary(scored_by(predictions, truth, "predicted"))),
-                         (f"this run's measured cell, scored by the other runs", holdout_summary(scored_by(predictions, truth, "measured")))]
+                         ("this run's measured cell, scored by the other runs", holdout_summary(scored_by(predictions, truth, "measured")))]
             for label, table in rows:
                 for r in table.itertuples():
                     print(f"| {label} | {r.holdout} | {r.method} | {r.cells} | {r.tpot_mean_abs_pct:.1f} / {r.tpot_max_abs_pct:.1f} | "
