@@ -65,7 +65,7 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import spectune.costmodel as costmodel  # noqa: E402
-from spectune.holdout import holdout_predictions, holdout_summary  # noqa: E402
+from spectune.holdout import METRICS, holdout_predictions, holdout_summary  # noqa: E402
 from spectune.store import load_run  # noqa: E402
 
 
@@ -209,7 +209,7 @@ def scored_by(predictions: pd.DataFrame, truth: pd.DataFrame, column: str) -> pd
     """predictions with each metric's abs % error of `column`_<metric> (predicted or measured) against truth's."""
     key = pd.MultiIndex.from_arrays([predictions["server"], predictions["batch_size"]])
     out = predictions.copy()
-    for m in ("tpot", "throughput", "speedup"):
+    for m in METRICS:
         want = truth[m].reindex(key).to_numpy()
         out[f"{m}_abs_pct_error"] = 100.0 * np.abs(predictions[f"{column}_{m}"].to_numpy() / want - 1.0)
     return out
