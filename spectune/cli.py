@@ -221,7 +221,11 @@ def _sweep_worker(plan: Optional[str], storage: Optional[str], worker: bool, hea
 
     if not (worker and storage):
         raise SpectuneError("--storage and --worker go together: spectune sweep PLAN --storage URL --worker (then spectune collect URL --out DIR)")
-    outcome = run_worker(load_plan(resolve_plan(plan)), storage, scratch=scratch, heartbeat_s=heartbeat, log=typer.echo)
+    try:
+        outcome = run_worker(load_plan(resolve_plan(plan)), storage, scratch=scratch, heartbeat_s=heartbeat, log=typer.echo)
+    except KeyboardInterrupt:
+        typer.echo("Interrupted. The cells this worker finished are in the study; the same command joins it again.", err=True)
+        raise typer.Exit(130)
     typer.echo(f"worker done: {len(outcome.measured)} cells measured ({outcome.failed} failed) in study {outcome.study_name}")
 
 
@@ -235,7 +239,7 @@ def collect(
     from spectune.distributed import collect as run_collect
 
     for path in run_collect(storage, out, study, log=typer.echo):
-        typer.echo(str(path))
+        typer.echo(f"next: spectune tune {path} (then spectune report {path})")
 
 
 @app.command()

@@ -6,8 +6,8 @@ trials (study.ask pops one, atomically in the storage), measures the cell on its
 directory, and records it on the trial: the cell row, the per-request frame (Parquet, base64), the slice of the
 embedded engine's round log and the machine's hardware. While it measures, a thread records the trial's heartbeat;
 a worker that dies stops beating, and after the grace period the next worker to look fails the trial
-(optuna.storages.fail_stale_trials) and Optuna's retry callback enqueues the cell again. A worker stops
-when no cell waits and none is running.
+(optuna.storages.fail_stale_trials) and Optuna's retry callback enqueues the cell again; a worker stopped by
+Ctrl-C hands its cell back at once. A worker stops when no cell waits and none is running.
 
 `spectune collect URL --out DIR` writes the finished cells as a results directory in the usual layout
 (spectune.store), one directory per hardware (DIR/<hardware> when the workers' machines differ), so that no
@@ -21,6 +21,7 @@ import gzip
 import hashlib
 import json
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from spectune import interrupt
 from spectune.errors import SpectuneError
 
 HEARTBEAT_S = 10.0  # a running cell's heartbeat period
@@ -117,38 +119,62 @@ def run_worker(plan, url: str, *, scratch: Path | None = None, heartbeat_s: floa
     outcome = WorkerOutcome(study.study_name, [], 0)
     worker = f"{socket.gethostname()}:{os.getpid()}"
     server = _Servers(plan, store)
+    claimed = None  # (trial, cell id) while this worker holds a cell
     try:
-        while True:
-            fail_stale_trials(study)  # a dead worker's cell goes back to the queue (the retry callback)
-            if not study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-                if not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-                    break
-                time.sleep(POLL_S)  # a cell is running elsewhere: it finishes, or its worker dies and it returns
-                continue
-            trial = study.ask()
-            study._storage.record_heartbeat(trial._trial_id)  # from the claim on: a worker that dies now is seen as dead
-            if "fixed_params" not in study._storage.get_trial_system_attrs(trial._trial_id):
-                # another worker took the last waiting cell first, so ask() made a fresh trial: not a cell
-                trial.set_user_attr("spare", "no cell left to claim")
-                study.tell(trial, state=TrialState.FAIL)
-                continue
-            cid = trial.suggest_categorical("cell", list(cells))
-            trial.set_user_attr("worker", worker)
-            log(f"claimed {cid} (trial {trial.number})")
-            with _Heartbeat(study._storage, trial._trial_id, heartbeat_s):
-                row, frame, rounds = server.measure(cells[cid])
-            try:
-                _record(trial, row, frame, rounds)
-                study.tell(trial, float(row.get("output_throughput_tps") or 0.0))
-            except Exception as e:  # e.g. judged dead meanwhile and retried elsewhere: that measurement counts
-                log(f"{cid}: not recorded ({type(e).__name__}: {e})")
-                continue
-            outcome.measured.append(cid)
-            outcome.failed += row.get("status") == "failed"
-            log(f"finished {cid}: {row.get('status')}")
+        with interrupt.owned_sigint():
+            while True:
+                interrupt.check()
+                fail_stale_trials(study)  # a dead worker's cell goes back to the queue (the retry callback)
+                if not study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+                    if not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                        break
+                    time.sleep(POLL_S)  # a cell is running elsewhere: it finishes, or its worker dies and it returns
+                    continue
+                with interrupt.critical(stop_after=False):  # a claim is never cut in half by Ctrl-C
+                    trial = study.ask()
+                    study._storage.record_heartbeat(trial._trial_id)  # from the claim on: a worker that dies now is seen as dead
+                    if "fixed_params" not in study._storage.get_trial_system_attrs(trial._trial_id):
+                        # another worker took the last waiting cell first, so ask() made a fresh trial: not a cell
+                        trial.set_user_attr("spare", "no cell left to claim")
+                        study.tell(trial, state=TrialState.FAIL)
+                        continue
+                    cid = trial.suggest_categorical("cell", list(cells))
+                    trial.set_user_attr("worker", worker)
+                    claimed = (trial, cid)
+                log(f"claimed {cid} (trial {trial.number})")
+                with _Heartbeat(study._storage, trial._trial_id, heartbeat_s):
+                    row, frame, rounds = server.measure(cells[cid])
+                with interrupt.critical(stop_after=False):  # a measured cell is recorded whole
+                    claimed = None
+                    try:
+                        _record(trial, row, frame, rounds)
+                        study.tell(trial, float(row.get("output_throughput_tps") or 0.0))
+                    except Exception as e:  # e.g. judged dead meanwhile and retried elsewhere: that measurement counts
+                        log(f"{cid}: not recorded ({type(e).__name__}: {e})")
+                        continue
+                outcome.measured.append(cid)
+                outcome.failed += row.get("status") == "failed"
+                log(f"finished {cid}: {row.get('status')}")
+    except KeyboardInterrupt:
+        if claimed is not None:
+            _hand_back(study, *claimed)
+            log(f"interrupted: {claimed[1]} handed back to the study, for another worker (or this one started again)")
+        raise
     finally:
         server.stop()
     return outcome
+
+
+def _hand_back(study, trial, cid: str) -> None:
+    """A cell whose worker was stopped by Ctrl-C waits again at once, rather than after the heartbeat's grace."""
+    from optuna.trial import TrialState
+
+    try:
+        trial.set_user_attr("interrupted", "Ctrl-C; the cell was enqueued again")
+        study.tell(trial, state=TrialState.FAIL)
+    except Exception:  # already failed as stale by another worker, whose retry enqueued it: once is enough
+        return
+    study.enqueue_trial({"cell": cid})
 
 
 class _Servers:
@@ -269,6 +295,10 @@ def collect(url: str, out: Path, study: str | None = None, log: Callable[[str], 
     from spectune.store import RunStore, cell_id
     from spectune.sweep import new_manifest
 
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise SpectuneError(f"{out}: not empty; choose another --out, or remove it to collect again (collect writes a new "
+                            "results directory from the study)")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = storage_for(url)
     names = [s.study_name for s in optuna.get_all_study_summaries(storage) if s.study_name.startswith("spectune-sweep-")]
@@ -289,10 +319,15 @@ def collect(url: str, out: Path, study: str | None = None, log: Callable[[str], 
     groups: dict[str, list] = {}
     for t in done.values():
         groups.setdefault(t.user_attrs["row"]["hardware_key"], []).append(t)
-    paths = []
+    if not groups:
+        raise SpectuneError(f"study {study}: no finished cell yet; run workers first (spectune sweep PLAN --storage URL --worker)")
+    work = out.parent / f".{out.name}.collecting"  # renamed to out when complete: a failed collect leaves no half run behind
+    shutil.rmtree(work, ignore_errors=True)
+    paths, said = [], []
     for key, trials in sorted(groups.items()):
-        root = Path(out) if len(groups) == 1 else Path(out) / f"hw-{key}"
-        manifest = new_manifest(plan, root.name)
+        name = out.name if len(groups) == 1 else f"hw-{key}"
+        root = work if len(groups) == 1 else work / name
+        manifest = new_manifest(plan, name)
         manifest["hardware"] = trials[0].user_attrs["hardware"]
         manifest["collected_from"] = {"storage": redact(url), "study": study,
                                       "workers": sorted({t.user_attrs.get("worker", "?") for t in trials})}
@@ -313,9 +348,10 @@ def collect(url: str, out: Path, study: str | None = None, log: Callable[[str], 
             store.manifest["status"] = "complete"
         store.save_manifest()
         store.finalize()
-        log(f"{root}: {len(trials)} cells (hardware {key}: {manifest['hardware'].get('processor') or manifest['hardware'].get('machine')}, "
-            f"{manifest['hardware'].get('cpu_count')} cores)")
-        paths.append(root)
-    if not paths:
-        raise SpectuneError(f"study {study}: no finished cell yet; run workers first (spectune sweep PLAN --storage URL --worker)")
+        paths.append(out if len(groups) == 1 else out / name)
+        said.append(f"{paths[-1]}: {len(trials)} cells (hardware {key}: "
+                    f"{manifest['hardware'].get('processor') or manifest['hardware'].get('machine')}, {manifest['hardware'].get('cpu_count')} cores)")
+    work.rename(out)
+    for line in said:
+        log(line)
     return paths

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from spectune.adaptive import AdaptiveConfig, SlotConfig
+from spectune.errors import SpectuneError
 
 if TYPE_CHECKING:
     from spectune.scoring import Score
@@ -81,36 +82,42 @@ def storage_for(url: str, **rdb_options):
     import importlib.util
     import sqlite3
 
-    import optuna
-
+    given = url
     if url.startswith("postgresql://"):
         driver = "psycopg" if importlib.util.find_spec("psycopg") else "psycopg2"
         url = url.replace("postgresql://", f"postgresql+{driver}://", 1)
-    if not url.startswith("sqlite:///"):
-        return _shared_rdb(url, **rdb_options)
-    path = url.removeprefix("sqlite:///")
+    engine_kwargs = {}
+    if url.startswith("sqlite:///"):
+        path = url.removeprefix("sqlite:///")
 
-    def connect() -> sqlite3.Connection:
-        conn = sqlite3.connect(path, timeout=60, check_same_thread=False)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        return conn
+        def connect() -> sqlite3.Connection:
+            conn = sqlite3.connect(path, timeout=60, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            return conn
 
-    return optuna.storages.RDBStorage(url, engine_kwargs={"creator": connect}, **rdb_options)
+        engine_kwargs = {"creator": connect}
+    return _schema_ready_rdb(url, given, engine_kwargs, **rdb_options)
 
 
-def _shared_rdb(url: str, attempts: int = 5, **rdb_options):
-    """Workers that start together race to create Optuna's tables in an empty database; the loser's
-    CREATE fails on what the winner just made. Retrying finds the tables there."""
+def _schema_ready_rdb(url: str, given: str, engine_kwargs: dict, attempts: int = 5, **rdb_options):
+    """Workers that start together race to create Optuna's tables in an empty database (PostgreSQL and SQLite
+    alike): the loser's CREATE TABLE or its schema-version row fails on what the winner just made. Retrying finds
+    them there. A database that cannot be reached at all is the user's to fix: one line naming the URL as given."""
     import optuna
     import sqlalchemy.exc
 
     for attempt in range(attempts):
         try:
-            return optuna.storages.RDBStorage(url, **rdb_options)
-        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
-            if attempt == attempts - 1:
-                raise
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **rdb_options)
+        except sqlalchemy.exc.DBAPIError as e:
+            raced = (isinstance(e, (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError))
+                     or "already exists" in str(e) or "database is locked" in str(e))  # SQLite: another worker's DDL
+            if not raced or attempt == attempts - 1:
+                cause = " ".join(str(e.orig).split()) if e.orig is not None else type(e).__name__
+                raise SpectuneError(f"storage {redact(given)}: cannot open it as an Optuna storage ({cause}); start the database "
+                                    "server or fix the URL (sqlite:////abs/path.db on one machine, "
+                                    "postgresql://user:pw@host/db for several)") from e
             time.sleep(0.2 * (attempt + 1))  # let the other worker finish creating the schema
 
 

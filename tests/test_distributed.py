@@ -7,15 +7,17 @@ and C then share the rest and, once A's heartbeat is stale, its cell. Every cell
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
 import optuna
 from optuna.trial import TrialState
 
-from spectune.distributed import study_name
+from spectune.distributed import join_study, study_name
 from spectune.plan import load_plan
 from spectune.search import storage_for
 from spectune.store import load_run
@@ -74,6 +76,77 @@ def test_workers_share_cells_survive_a_sigkill_and_collect(tmp_path, postgres_ur
     assert run.cells["hardware_key"].nunique() == 1 and run.manifest["hardware"]["cpu_count"] == os.cpu_count()
     assert set(run.requests["cell"]) == expected  # every cell's per-request frame came through the study
     assert run.manifest["status"] == "complete" and set(run.round_logs) == {"target", "ngram-g2"}
+    assert not list(tmp_path.glob(".collected*"))  # written aside, then renamed into place
+    again = subprocess.run([*spectune_cmd, "collect", postgres_url, "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "not empty; choose another --out, or remove it to collect again" in again.stderr
+    assert set(load_run(out).cells["cell"]) == expected  # the first collect untouched
+
+
+def test_ctrl_c_hands_the_workers_cell_back_at_once(tmp_path, spectune_cmd):
+    plan_file = tmp_path / "shared.toml"
+    plan_file.write_text(PLAN)
+    plan = load_plan(plan_file)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    a = _worker(spectune_cmd, plan_file, url, tmp_path / "a")
+    cell = _read_until(a, "claimed ").split()[1]
+    a.send_signal(signal.SIGINT)
+    said = a.communicate(timeout=120)[0]
+    assert a.returncode == 130, said
+    assert f"interrupted: {cell} handed back to the study" in said and "the same command joins it again" in said
+    study = optuna.load_study(study_name=study_name(plan), storage=storage_for(url))
+    (stopped,) = study.get_trials(states=(TrialState.FAIL,))
+    assert stopped.params["cell"] == cell and "Ctrl-C" in stopped.user_attrs["interrupted"]
+    assert not study.get_trials(states=(TrialState.RUNNING,))  # waiting again, not held until its heartbeat is stale
+
+    b = _worker(spectune_cmd, plan_file, url, tmp_path / "a")  # the same command again, same scratch directory
+    assert b.communicate(timeout=240)[0] and b.returncode == 0
+    complete = [t.params["cell"] for t in study.get_trials(states=(TrialState.COMPLETE,))]
+    assert sorted(complete) == sorted(c.id for c in plan_cells(plan))  # every cell once, the handed-back one included
+
+
+def _join_after(barrier, url: str, plan_file: str, errors) -> None:
+    barrier.wait()  # every worker opens the empty database at once, as workers started together do
+    try:
+        join_study(url, load_plan(plan_file), log=lambda _: None)
+    except Exception as e:  # reported to the test, which names it
+        errors.put(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+        raise
+
+
+def test_workers_starting_together_on_an_empty_database_all_join(tmp_path):
+    # Four workers opening a fresh SQLite study at the same moment used to lose the race to create Optuna's tables
+    # ("table studies already exists", or the schema version's UNIQUE constraint) in 4 rounds of 5.
+    plan_file = tmp_path / "shared.toml"
+    plan_file.write_text(PLAN)
+    ids = sorted(c.id for c in plan_cells(load_plan(plan_file)))
+    ctx = multiprocessing.get_context("fork")
+    for round_ in range(3):
+        url = f"sqlite:///{tmp_path / f's{round_}.db'}"
+        barrier, errors = ctx.Barrier(4), ctx.Queue()
+        procs = [ctx.Process(target=_join_after, args=(barrier, url, str(plan_file), errors)) for _ in range(4)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        failed = [errors.get(timeout=5) for p in procs if p.exitcode != 0]
+        assert [p.exitcode for p in procs] == [0] * 4, failed
+        study = optuna.load_study(study_name=study_name(load_plan(plan_file)), storage=storage_for(url))
+        assert sorted(t.system_attrs["fixed_params"]["cell"] for t in study.trials) == ids  # each cell enqueued once
+
+
+def test_a_storage_that_cannot_be_opened_is_one_line_naming_it(tmp_path, spectune_cmd):
+    plan_file = tmp_path / "shared.toml"
+    plan_file.write_text(PLAN)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for url in (f"postgresql://me:secret@127.0.0.1:{port}/spectune", f"sqlite:///{tmp_path / 'no' / 'such' / 'dir.db'}"):
+        done = subprocess.run([*spectune_cmd, "sweep", str(plan_file), "--storage", url, "--worker"],
+                              capture_output=True, text=True, timeout=60)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, done.stderr
+        assert "cannot open it as an Optuna storage" in lines[0] and url.replace("secret", "***") in lines[0]
+        assert "secret" not in lines[0]
 
 
 def test_collect_names_the_study_when_there_is_none(tmp_path, spectune_cmd):
