@@ -370,9 +370,12 @@ def fit_sweep(
     spec = static[static["engine"] == engine] if engine else static
     spec = spec[spec["method"] == method] if method else spec
     if spec.empty:
-        found = sorted({f"{e}/{m}" for e, m in zip(static["engine"], static["method"])}) or ["none"]
-        raise SpectuneError(f"cells: no usable static speculative cells for engine={engine}, method={method} (found: {', '.join(found)}); "
-                            "choose one of those, or sweep speculative servers")
+        found = sorted({f"{e}/{m}" for e, m in zip(static["engine"], static["method"])})
+        if not found:
+            raise SpectuneError("cells: no static speculative cell measured ok (only target-only, adaptive or failed cells), so "
+                                "there is nothing to fit; sweep speculative servers (num_speculative_tokens >= 1) first")
+        asked = "/".join(x for x in (engine, method) if x)
+        raise SpectuneError(f"cells: no usable static speculative cells for {asked} (found: {', '.join(found)}); choose one of those")
     engine, method = fastest_method(spec, usable)
     spec = spec[(spec["engine"] == engine) & (spec["method"] == method)]
     target = usable[~usable["is_speculative"].astype(bool) & (usable["engine"] == engine)]

@@ -177,8 +177,14 @@ def test_fit_defaults_to_the_method_that_measured_fastest_not_the_most_measured(
 
 
 def test_fit_names_the_methods_there_are_when_asked_for_another():
-    with pytest.raises(SpectuneError, match="method=ngram .found: embedded/draft_model"):
+    with pytest.raises(SpectuneError, match="for ngram .found: embedded/draft_model.; choose one of those"):
         fit_sweep(synthetic_cells(), method="ngram")
+
+
+def test_fit_on_target_only_cells_says_there_is_nothing_to_fit():
+    cells = synthetic_cells()
+    with pytest.raises(SpectuneError, match="no static speculative cell measured ok .* sweep speculative servers"):
+        fit_sweep(cells[~cells["is_speculative"].astype(bool)])
 
 
 def test_fit_recovers_per_position_acceptance_per_workload():

@@ -7,17 +7,19 @@ and C then share the rest and, once A's heartbeat is stale, its cell. Every cell
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 from pathlib import Path
 
 import optuna
 from optuna.trial import TrialState
 
-from spectune.distributed import join_study, study_name
+from spectune.distributed import hardware_key, join_study, study_name
 from spectune.plan import load_plan
 from spectune.search import storage_for
 from spectune.store import load_run
@@ -102,6 +104,39 @@ def test_ctrl_c_hands_the_workers_cell_back_at_once(tmp_path, spectune_cmd):
     assert b.communicate(timeout=240)[0] and b.returncode == 0
     complete = [t.params["cell"] for t in study.get_trials(states=(TrialState.COMPLETE,))]
     assert sorted(complete) == sorted(c.id for c in plan_cells(plan))  # every cell once, the handed-back one included
+
+
+def test_collect_keeps_cells_of_other_hardware_apart_hardware_faked(tmp_path, spectune_cmd):
+    # One machine cannot measure on two kinds of hardware, so after a real worker finished, the records of the ngram
+    # server's cells are rewritten in the real storage as if a 64-core machine with a GPU had measured them.
+    plan_file = tmp_path / "shared.toml"
+    plan_file.write_text(PLAN)
+    db = tmp_path / "s.db"
+    w = _worker(spectune_cmd, plan_file, f"sqlite:///{db}", tmp_path / "w")
+    assert w.communicate(timeout=240)[0] and w.returncode == 0
+    other = None
+    with sqlite3.connect(db) as conn:
+        attrs = conn.execute("SELECT trial_id, key, value_json FROM trial_user_attributes WHERE key IN ('row', 'hardware')").fetchall()
+        records: dict[int, dict] = {}
+        for trial_id, key, value in attrs:
+            records.setdefault(trial_id, {})[key] = json.loads(value)
+        for trial_id, rec in records.items():
+            if rec["row"]["server"] != "ngram-g2":
+                continue
+            hardware = {**rec["hardware"], "cpu_count": 64, "gpus": ["NVIDIA H100 80GB HBM3"]}
+            other = hardware_key(hardware)
+            for key, value in (("hardware", hardware), ("row", {**rec["row"], "hardware_key": other})):
+                conn.execute("UPDATE trial_user_attributes SET value_json = ? WHERE trial_id = ? AND key = ?",
+                             (json.dumps(value), trial_id, key))
+    out = tmp_path / "collected"
+    done = subprocess.run([*spectune_cmd, "collect", f"sqlite:///{db}", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    runs = {p.name: load_run(p) for p in sorted(out.glob("hw-*"))}
+    assert len(runs) == 2 and f"hw-{other}" in runs and f"next: spectune tune {out / f'hw-{other}'}" in done.stdout
+    gpu = runs.pop(f"hw-{other}")
+    (cpu,) = runs.values()
+    assert set(gpu.cells["server"]) == {"ngram-g2"} and set(cpu.cells["server"]) == {"target"}  # never mixed
+    assert gpu.manifest["hardware"]["cpu_count"] == 64 and cpu.manifest["hardware"]["cpu_count"] == os.cpu_count()
 
 
 def _join_after(barrier, url: str, plan_file: str, errors) -> None:
