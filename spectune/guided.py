@@ -232,7 +232,8 @@ def guide(grid: pd.DataFrame, measure: Measure, budget: float, seed: int = 0, lo
     limit = max(1, math.floor(budget * total))
     all_seeds = seed_pairs(grid, seed)
     seeds = all_seeds[:limit]
-    log(f"guided sweep: {len(seeds)} seed cells, then the model's choices; budget {limit} of {total} (server, batch size) cells")
+    seeded = f"{len(seeds)} of its {len(all_seeds)} seed cells" if len(seeds) < len(all_seeds) else f"{len(seeds)} seed cells"
+    log(f"guided sweep: {seeded}, then the model's choices; budget {limit} of {total} (server, batch size) cells")
     method_of = grid.drop_duplicates("server").set_index("server")["method"]
     unseeded = sorted(set(grid["method"].dropna()) - {method_of[s] for s, _ in seeds})
     if unseeded:
