@@ -69,7 +69,8 @@ def spent_alpha(t: float, alpha: float = ALPHA) -> float:
 def look_schedule(min_passes: int, max_passes: int, num_looks: int = NUM_LOOKS) -> tuple[int, ...]:
     """The passes at which the rule looks: num_looks points up to max_passes, none before min_passes."""
     if min_passes < 2 or max_passes < min_passes:
-        raise SpectuneError(f"--min-passes {min_passes} / --max-passes {max_passes}: need 2 <= min <= max (an interval needs 2 passes)")
+        raise SpectuneError(f"--min-passes {min_passes} / --max-passes {max_passes}: need 2 <= min <= max (an interval needs 2 "
+                            f"passes); e.g. --min-passes {max(2, min(min_passes, max_passes))} --max-passes {max(2, max_passes)}")
     return tuple(sorted({max(min_passes, math.ceil(max_passes * k / num_looks)) for k in range(1, num_looks + 1)}))
 
 
