@@ -107,6 +107,8 @@ class Difference:
 
     def words(self) -> str:
         lo, hi = _shown(self.lo_pct), _shown(self.hi_pct)
+        if self.lo_pct == self.hi_pct == 0.0:  # no spread at all: both ran the very same steps
+            return f"the same as {self.label} on this traffic (+0.0%, no spread: it runs the same step counts there)"
         if self.lo_pct > 0:
             return f"better than {self.label} by {abs(self.mean_pct):.1f}% [{lo}, {hi}]"
         if self.hi_pct < 0:

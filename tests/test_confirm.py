@@ -124,6 +124,16 @@ def test_action_deploys_only_what_the_intervals_settle():
     assert action_text(lost_to_default, finished=True).startswith("Deploy SGLang's default config")
 
 
+def test_a_tuned_config_running_the_best_static_steps_is_called_the_same_not_a_tie_with_noise():
+    same = (_diff("sglang-default", 7.3, 10.8), _diff("static", 0.0, 0.0), _diff("target", 30.0, 40.0))
+    text = verdict_text(same, "output tokens/s", 1000, "simulated", False, static_steps=4)
+    assert "better than SGLang's default" in text
+    assert "the same as the best static config (static g=4) on this traffic (+0.0%, no spread" in text
+    assert "not distinguishable" not in text
+    near = (_diff("sglang-default", 7.3, 10.8), _diff("static", -0.1, 0.1), _diff("target", 30.0, 40.0))
+    assert "not distinguishable from the best static config" in verdict_text(near, "output tokens/s", 1000, "simulated", False)
+
+
 @pytest.mark.parametrize("run", sorted(_recorded()))
 def test_action_on_recorded_passes_never_deploys_the_tuned_config_on_noise(run):
     gains, higher = _recorded()[run]
