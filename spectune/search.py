@@ -84,7 +84,11 @@ def storage_for(url: str, **rdb_options):
 
     given = url
     if url.startswith("postgresql://"):
-        driver = "psycopg" if importlib.util.find_spec("psycopg") else "psycopg2"
+        driver = next((d for d in ("psycopg", "psycopg2") if importlib.util.find_spec(d)), None)
+        if driver is None:
+            raise SpectuneError(f"storage {redact(given)}: PostgreSQL needs a driver this Python lacks; "
+                                "pip install psycopg2-binary (the postgres extra: pip install '.[engine,postgres]' in spectune's "
+                                "checkout), then run again")
         url = url.replace("postgresql://", f"postgresql+{driver}://", 1)
     engine_kwargs = {}
     if url.startswith("sqlite:///"):

@@ -14,12 +14,15 @@ import signal
 import socket
 import sqlite3
 import subprocess
+import sys
 from pathlib import Path
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 from spectune.distributed import hardware_key, join_study, study_name
+from spectune.errors import SpectuneError
 from spectune.plan import load_plan
 from spectune.search import storage_for
 from spectune.store import load_run
@@ -182,6 +185,15 @@ def test_a_storage_that_cannot_be_opened_is_one_line_naming_it(tmp_path, spectun
         assert done.returncode == 2 and len(lines) == 1, done.stderr
         assert "cannot open it as an Optuna storage" in lines[0] and url.replace("secret", "***") in lines[0]
         assert "secret" not in lines[0]
+
+
+def test_postgresql_without_a_driver_says_what_to_install_driver_hidden(monkeypatch):
+    # The test environment has psycopg2; a user's `pip install '.[engine]'` does not. Hidden here the way Python's
+    # import system reads a module marked missing.
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    monkeypatch.setitem(sys.modules, "psycopg2", None)
+    with pytest.raises(SpectuneError, match=r"^storage postgresql://me:\*\*\*@127.0.0.1/x: PostgreSQL needs a driver .* pip install psycopg2-binary"):
+        storage_for("postgresql://me:secret@127.0.0.1/x")
 
 
 def test_collect_names_the_study_when_there_is_none(tmp_path, spectune_cmd):
