@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -135,6 +137,11 @@ def test_sweep_real_vllm(tmp_path):
     _tokens_agree_with_the_engines_rounds(out, draft, "usage")
 
 
+def _environ(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(p.decode().split("=", 1) for p in pairs if b"=" in p)
+
+
 def test_real_vllm_serves_with_the_config_spectune_tune_writes(tmp_path, spectune_cmd):
     """The embedded default's vLLM output (the shipped draft by absolute path, a per-batch-size schedule), as
     `spectune tune` writes it when the draft model is the fastest method vLLM loads (here: SYNTHETIC results, whose
@@ -153,11 +160,18 @@ def test_real_vllm_serves_with_the_config_spectune_tune_writes(tmp_path, spectun
     server = make_server(spec, tmp_path / "logs", max_batch_size=4)
     server.start()
     try:
+        tmp_dir = Path(_environ(server.pid())["TMPDIR"])
+        sockets = [p.name for p in tmp_dir.iterdir() if p.is_socket()]
         before = server.scrape()
         records = run_cell(server.base_url, server.model_name, load_requests("code", num_prompts=4, max_tokens=16), ClosedLoop(2))
         after = server.scrape()
     finally:
         server.stop()
+    # what vLLM leaves in the temp dir (its ZMQ sockets; in the shared temp dir every launch left them behind) goes
+    # with the server
+    assert tmp_dir.parent == Path(tempfile.gettempdir()), tmp_dir
+    assert sockets
+    assert not tmp_dir.exists()
     assert all(r.error is None and r.output_tokens == 16 for r in records), [r.error for r in records]
     assert after.num_drafts > before.num_drafts  # vLLM speculated with the emitted config
     assert 0 <= (after.num_accepted_tokens - before.num_accepted_tokens) <= after.num_draft_tokens - before.num_draft_tokens
