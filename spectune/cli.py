@@ -195,7 +195,7 @@ def sweep(
     root = resume or out or Path("results") / f"{p.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
     progress = _progress()
     if worker or storage:
-        _sweep_worker(plan, storage, worker, heartbeat, out)
+        _sweep_worker(p, storage, worker, heartbeat, out, budget, resume)
         return
     if budget is not None and not 0 < budget <= 1:
         raise SpectuneError(f"--budget {budget}: must be a share of the plan's cells in (0, 1], e.g. 0.25")
@@ -214,19 +214,25 @@ def sweep(
         raise typer.Exit(1)
 
 
-def _sweep_worker(plan: Optional[str], storage: Optional[str], worker: bool, heartbeat: float, scratch: Optional[Path]) -> None:
+def _sweep_worker(plan, storage: Optional[str], worker: bool, heartbeat: float, scratch: Optional[Path],
+                  budget: Optional[float], resume: Optional[Path]) -> None:
     from spectune.distributed import run_worker
-    from spectune.plan import load_plan
-    from spectune.resources import resolve_plan
+    from spectune.search import redact
 
     if not (worker and storage):
         raise SpectuneError("--storage and --worker go together: spectune sweep PLAN --storage URL --worker (then spectune collect URL --out DIR)")
+    if budget is not None or resume is not None:
+        flag = "--budget (a guided sweep picks its cells from its own results, on one machine)" if budget is not None else \
+            "--resume (the study keeps what the workers finished: the same command joins it again)"
+        raise SpectuneError(f"{flag} does not go with --worker; drop it")
     try:
-        outcome = run_worker(load_plan(resolve_plan(plan)), storage, scratch=scratch, heartbeat_s=heartbeat, log=typer.echo)
+        outcome = run_worker(plan, storage, scratch=scratch, heartbeat_s=heartbeat, log=typer.echo)
     except KeyboardInterrupt:
         typer.echo("Interrupted. The cells this worker finished are in the study; the same command joins it again.", err=True)
         raise typer.Exit(130)
-    typer.echo(f"worker done: {len(outcome.measured)} cells measured ({outcome.failed} failed) in study {outcome.study_name}")
+    typer.echo(f"worker done: {len(outcome.measured)} cells measured ({outcome.failed} failed) in study {outcome.study_name}; "
+               f"their server logs are in {outcome.scratch / 'logs'}")
+    typer.echo(f"next: spectune collect {redact(storage)} --out DIR")
 
 
 @app.command()

@@ -45,6 +45,7 @@ class WorkerOutcome:
     study_name: str
     measured: list[str]  # cell ids this worker finished
     failed: int  # of those, cells whose status is "failed"
+    scratch: Path  # its own results directory: the server logs of the cells it measured
 
 
 def study_name(plan) -> str:
@@ -116,7 +117,7 @@ def run_worker(plan, url: str, *, scratch: Path | None = None, heartbeat_s: floa
     cells = {c.id: c for c in plan_cells(plan)}
     root = Path(scratch or tempfile.mkdtemp(prefix="spectune-worker-"))
     store = RunStore.open(root) if (root / "run.json").exists() else RunStore.create(root, new_manifest(plan, root.name))
-    outcome = WorkerOutcome(study.study_name, [], 0)
+    outcome = WorkerOutcome(study.study_name, [], 0, root)
     worker = f"{socket.gethostname()}:{os.getpid()}"
     server = _Servers(plan, store)
     claimed = None  # (trial, cell id) while this worker holds a cell

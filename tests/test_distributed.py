@@ -218,3 +218,34 @@ def test_a_guided_plan_cannot_be_shared(tmp_path, spectune_cmd):
     done = subprocess.run([*spectune_cmd, "sweep", str(plan_file), "--storage", f"sqlite:///{tmp_path / 's.db'}", "--worker"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "remove budget" in done.stderr
+
+
+def test_a_worker_measures_the_plan_as_its_command_line_overrides_it(tmp_path, spectune_cmd):
+    # --batch-sizes and --max-tokens change a plan for a worker as for a sweep (they were dropped: the worker measured
+    # the plan file's batch sizes); workers given the same overrides share one study
+    plan_file = tmp_path / "shared.toml"
+    plan_file.write_text(PLAN)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    cmd = [*spectune_cmd, "sweep", str(plan_file), "--batch-sizes", "2", "--max-tokens", "4", "--storage", url, "--worker"]
+    done = subprocess.run([*cmd, "--out", str(tmp_path / "w")], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    overridden = load_plan(plan_file, batch_sizes=[2], max_tokens=4)
+    assert f"study {study_name(overridden)}: 2 cells enqueued" in done.stdout
+    assert f"their server logs are in {tmp_path / 'w' / 'logs'}" in done.stdout and (tmp_path / "w" / "logs" / "target.log").exists()
+    assert f"next: spectune collect {url} --out DIR" in done.stdout
+    out = tmp_path / "collected"
+    collected = subprocess.run([*spectune_cmd, "collect", url, "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert collected.returncode == 0, collected.stderr
+    run = load_run(out)
+    assert sorted(run.cells["cell"]) == sorted(c.id for c in plan_cells(overridden))
+    assert set(run.cells["batch_size"]) == {2} and (run.requests["output_tokens"] <= 4).all()
+
+
+@pytest.mark.parametrize("flag", [["--budget", "0.5"], ["--resume", "results/x"]])
+def test_flags_a_worker_cannot_honour_are_refused(tmp_path, spectune_cmd, flag):
+    plan_file = tmp_path / "shared.toml"
+    plan_file.write_text(PLAN)
+    done = subprocess.run([*spectune_cmd, "sweep", str(plan_file), *flag, "--storage", f"sqlite:///{tmp_path / 's.db'}", "--worker"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2 and f"error: {flag[0]} (" in done.stderr and "does not go with --worker; drop it" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "s.db").exists()
