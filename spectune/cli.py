@@ -160,7 +160,8 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
 def sweep(
     plan: Optional[str] = typer.Argument(None, help="Sweep plan: a TOML file, or a shipped plan by name (embedded, vllm-cpu, ...). "
                                          "Default: embedded (the embedded engine)."),
-    out: Optional[Path] = typer.Option(None, help="Results directory. Default: results/<plan name>-<timestamp> under the current directory."),
+    out: Optional[Path] = typer.Option(None, help="Results directory. Default: results/<plan name>-<timestamp> under the current directory. "
+                                       "With --worker: the worker's own (its server logs); default: a temp dir."),
     resume: Optional[Path] = typer.Option(None, help="Continue the run in this results directory (same plan)."),
     workload: Optional[str] = typer.Option(None, help="Override the plan's workload: code, quote, random, phase, or a file."),
     batch_sizes: Optional[str] = typer.Option(None, help="Override batch sizes (closed-loop concurrency), e.g. 1,4,16."),

@@ -6,6 +6,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import psutil
 import pytest
@@ -30,11 +32,28 @@ def _marked(mark: str) -> list[int]:
 
 def test_engine_that_exits_before_ready_shows_its_log(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECTUNE_VLLM_PYTHON", sys.executable)  # spectune's own venv: it has no vllm
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     server = make_server(ServerSpec(name="v", engine="vllm", model="/models/target"), tmp_path)
     with pytest.raises(SpectuneError, match=r"(?s)exited with code 1 before it was ready.*No module named .?vllm") as err:
         server.start()
     assert str(tmp_path / "v.log") in str(err.value)
     assert server.pid() is None and not server.alive()
+    assert not list((tmp_path / "tmp").iterdir())  # the launch's temp dir went with it
+
+
+def test_a_launch_has_a_temp_dir_of_its_own_removed_when_it_stops(tmp_path, monkeypatch):
+    # vLLM and SGLang leave their ZMQ sockets in the temp dir; every launch gets its own, under the system's
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    server = make_server(ServerSpec(name="e", engine="embedded"), tmp_path / "logs")
+    server.start()
+    try:
+        own = Path(psutil.Process(server.pid()).environ()["TMPDIR"])
+        assert own.parent == tmp_path / "tmp" and own.is_dir()
+    finally:
+        server.stop()
+    assert not own.exists() and not list((tmp_path / "tmp").iterdir())
 
 
 def test_port_in_use_fails_before_launch(tmp_path):

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import pandas as pd
+import psutil
 import pytest
 
 from engine_fixtures import require_llama_server, require_vllm, target_and_draft
@@ -137,11 +138,6 @@ def test_sweep_real_vllm(tmp_path):
     _tokens_agree_with_the_engines_rounds(out, draft, "usage")
 
 
-def _environ(pid: int) -> dict[str, str]:
-    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(p.decode().split("=", 1) for p in pairs if b"=" in p)
-
-
 def test_real_vllm_serves_with_the_config_spectune_tune_writes(tmp_path, spectune_cmd):
     """The embedded default's vLLM output (the shipped draft by absolute path, a per-batch-size schedule), as
     `spectune tune` writes it when the draft model is the fastest method vLLM loads (here: SYNTHETIC results, whose
@@ -160,7 +156,7 @@ def test_real_vllm_serves_with_the_config_spectune_tune_writes(tmp_path, spectun
     server = make_server(spec, tmp_path / "logs", max_batch_size=4)
     server.start()
     try:
-        tmp_dir = Path(_environ(server.pid())["TMPDIR"])
+        tmp_dir = Path(psutil.Process(server.pid()).environ()["TMPDIR"])
         sockets = [p.name for p in tmp_dir.iterdir() if p.is_socket()]
         before = server.scrape()
         records = run_cell(server.base_url, server.model_name, load_requests("code", num_prompts=4, max_tokens=16), ClosedLoop(2))

@@ -1,12 +1,17 @@
 """What the adapters that launch a server process share: a free port, the process in its own group,
 readiness (GET /health, then /v1/models lists the served name), attach mode (spec.url), stop. Each engine
 subclass supplies its command line, scrape and cache reset.
+
+Each launch runs with a temp dir of its own (TMPDIR), removed when it stops: vLLM and SGLang name their ZMQ sockets
+there (and vLLM its torch.distributed init file) and never remove them, so every launch left files in /tmp.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from spectune.errors import SpectuneError
@@ -40,6 +45,7 @@ class LaunchedServer:
         self.base_url = spec.url.rstrip("/") if spec.url else ""
         self.model_name = spec.name  # launched servers serve the model under the spec's name
         self._proc: ManagedProcess | None = None
+        self._tmp_dir: str | None = None  # the launch's TMPDIR
 
     # --- what each engine supplies
     def command(self, port: int) -> list[str]:
@@ -80,9 +86,10 @@ class LaunchedServer:
             check_port_free(self.spec.host, port)
         argv = self.command(port)
         self.base_url = f"http://{self.spec.host}:{port}"
-        self._proc = ManagedProcess(argv=argv, log_path=self.log_path, env=self.environment())
-        self._proc.start()
+        self._tmp_dir = self._tmp_dir or tempfile.mkdtemp(prefix="spectune-server-")  # short: a socket's path has <= 107 bytes
+        self._proc = ManagedProcess(argv=argv, log_path=self.log_path, env={"TMPDIR": self._tmp_dir, **self.environment()})
         try:
+            self._proc.start()
             wait_ready(self.base_url + self.health_path, self._proc, self.spec.ready_timeout_s, f"{self.engine} server {self.spec.name!r}")
             if self.model_name not in self._listed_models():
                 raise SpectuneError(f"{self.base_url}/v1/models does not list {self.model_name!r}; check the server's log {self.log_path}")
@@ -94,6 +101,9 @@ class LaunchedServer:
         proc, self._proc = self._proc, None  # a second stop finds nothing to signal
         if proc is not None:
             proc.stop()
+        tmp_dir, self._tmp_dir = self._tmp_dir, None
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
 
     def pid(self) -> int | None:
         if self._proc is None or self._proc.popen is None:

