@@ -46,14 +46,21 @@ def test_a_launch_has_a_temp_dir_of_its_own_removed_when_it_stops(tmp_path, monk
     # vLLM and SGLang leave their ZMQ sockets in the temp dir; every launch gets its own, under the system's
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
+    # and the one a killed spectune left (a real process that has exited) goes at the next launch; a live one's stays
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    orphaned, live = tmp_path / "tmp" / f"spectune-server-{gone.pid}-abc", tmp_path / "tmp" / f"spectune-server-{os.getppid()}-abc"
+    for d in (orphaned, live):
+        d.mkdir()
+        (d / "socket-left").touch()
     server = make_server(ServerSpec(name="e", engine="embedded"), tmp_path / "logs")
     server.start()
     try:
         own = Path(psutil.Process(server.pid()).environ()["TMPDIR"])
-        assert own.parent == tmp_path / "tmp" and own.is_dir()
+        assert own.parent == tmp_path / "tmp" and own.is_dir() and own.name.startswith(f"spectune-server-{os.getpid()}-")
     finally:
         server.stop()
-    assert not own.exists() and not list((tmp_path / "tmp").iterdir())
+    assert not own.exists() and sorted((tmp_path / "tmp").iterdir()) == [live]
 
 
 def test_port_in_use_fails_before_launch(tmp_path):

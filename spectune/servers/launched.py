@@ -3,7 +3,8 @@ readiness (GET /health, then /v1/models lists the served name), attach mode (spe
 subclass supplies its command line, scrape and cache reset.
 
 Each launch runs with a temp dir of its own (TMPDIR), removed when it stops: vLLM and SGLang name their ZMQ sockets
-there (and vLLM its torch.distributed init file) and never remove them, so every launch left files in /tmp.
+there (and vLLM its torch.distributed init file) and never remove them, so every launch left files in /tmp. The dir
+is named for spectune's pid; one whose spectune was killed is removed at the next launch.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+import psutil
 
 from spectune.errors import SpectuneError
 from spectune.records import Scrape
@@ -24,6 +27,17 @@ from spectune.servers.base import (
     wait_ready,
 )
 from spectune.servers.scrape import http_get
+
+
+TMP_PREFIX = "spectune-server-"
+
+
+def _remove_orphaned_tmp_dirs() -> None:
+    """The temp dirs of launches whose spectune is gone (a SIGKILL leaves it no time to remove them)."""
+    for d in Path(tempfile.gettempdir()).glob(f"{TMP_PREFIX}*-*"):
+        pid = d.name[len(TMP_PREFIX):].split("-")[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def spectune_cache() -> Path:
@@ -86,7 +100,9 @@ class LaunchedServer:
             check_port_free(self.spec.host, port)
         argv = self.command(port)
         self.base_url = f"http://{self.spec.host}:{port}"
-        self._tmp_dir = self._tmp_dir or tempfile.mkdtemp(prefix="spectune-server-")  # short: a socket's path has <= 107 bytes
+        if self._tmp_dir is None:
+            _remove_orphaned_tmp_dirs()
+            self._tmp_dir = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-")  # short: a socket's path has <= 107 bytes
         self._proc = ManagedProcess(argv=argv, log_path=self.log_path, env={"TMPDIR": self._tmp_dir, **self.environment()})
         try:
             self._proc.start()
