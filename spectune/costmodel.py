@@ -379,6 +379,11 @@ def fit_sweep(
     engine, method = fastest_method(spec, usable)
     spec = spec[(spec["engine"] == engine) & (spec["method"] == method)]
     target = usable[~usable["is_speculative"].astype(bool) & (usable["engine"] == engine)]
+    if target.empty:
+        others = sorted(set(usable.loc[~usable["is_speculative"].astype(bool), "engine"]))
+        raise SpectuneError(f"cells: {method} ran on engine {engine!r}, but no target-only server on {engine!r} measured ok "
+                            f"(target-only on: {', '.join(others) or 'none'}); the model compares a method with target-only "
+                            f"on its own engine: give the target-only server engine = \"{engine}\"")
     table = _fit_round_cost(target, spec)
     if (joint := _joint_fit(target, spec)) is not None and _joint_is_better(spec, joint[1], len(joint[0])):
         table = _joint_table(table, target, joint[0])

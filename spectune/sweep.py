@@ -258,6 +258,9 @@ class _Live:
         row = _measure_cell(plan, self.store, self.server, cell, self.progress, self.tokenizer)
         if row["status"] == "failed":
             outcome.failed += 1
+            if not self.spec.is_speculative and row.get("num_drafts"):  # it speculates: its other cells would too
+                self.failed = row["error"]
+                self.progress.server_failed(self.spec.name, self.failed)
         else:
             outcome.done += 1
         with interrupt.critical():
@@ -316,6 +319,7 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, progress: Swe
     offsets: dict[str, int | None] = {}
     foreign = ForeignLoad([os.getpid(), server.pid()])
     interrupted = False
+    undeclared: str | None = None
     client_load = ClientLoad()
     try:
         sampler.start()
@@ -346,6 +350,7 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, progress: Swe
         row["kv_cache_usage"] = after.kv_cache_usage
         row["server_pid"] = server.pid()  # which launch measured the cell (None: attached)
         row["live_num_steps"] = after.num_steps
+        undeclared = _undeclared_drafting(plan, cell.server, before, after)
     except KeyboardInterrupt:
         interrupted = True
     except Exception as e:  # a scrape or transport failure fails this cell, not the sweep
@@ -371,6 +376,8 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, progress: Swe
     elif not server.alive():
         row["status"] = "failed"
         row["error"] = f"server exited during the cell; last log lines: {server.log_tail()}"
+    elif undeclared is not None:
+        row["status"], row["error"] = "failed", undeclared
     row["finished_at"] = _now()
     frame = None
     if measured:
@@ -384,6 +391,22 @@ def _measure_cell(plan: Plan, store: RunStore, server, cell: Cell, progress: Swe
     if interrupted:
         raise KeyboardInterrupt
     return row
+
+
+def _undeclared_drafting(plan: Plan, spec: ServerSpec, before, after) -> str | None:
+    """Why a server the plan calls target-only cannot be measured as one: its counters show it drafting (an
+    attached speculative server, or speculation passed in extra_args). Taken for a baseline, it would make every
+    speedup wrong. A plan of one server (spectune bench) compares nothing, so there it is only measured."""
+    drafts = (after.num_drafts or 0) - (before.num_drafts or 0)
+    if spec.is_speculative or len(plan.servers) < 2 or drafts <= 0:
+        return None
+    tokens = (after.num_draft_tokens or 0) - (before.num_draft_tokens or 0)
+    accepted = (after.num_accepted_tokens or 0) - (before.num_accepted_tokens or 0)
+    steps = f"{tokens / drafts:.1f} draft tokens a round, {accepted / tokens:.0%} accepted" if tokens > 0 else "its counters"
+    return (f"server {spec.name!r} speculates ({drafts:.0f} rounds drafted, {steps}) but its [[servers]] table has no "
+            f"`method`, so it would count as target-only; declare what it runs (method, num_speculative_tokens"
+            f"{f' = {round(tokens / drafts)}' if tokens > 0 else ''}; attached: engine = \"vllm\", \"sglang\", \"llamacpp\" "
+            "or \"embedded\" with its url, not \"openai\"), or point it at a server that does not speculate")
 
 
 def _cell_header(plan: Plan, cell: Cell, digest: str) -> dict:

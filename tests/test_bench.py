@@ -43,6 +43,33 @@ def test_bench_one_cell_against_a_running_engine(tmp_path, spectune_cmd):
     assert len(requests) == 6 and (requests["output_tokens"] == 10).all()
 
 
+def test_a_sweep_refuses_an_attached_server_that_speculates_as_target_only_and_keeps_the_rest(tmp_path, spectune_cmd):
+    """Attached with engine "openai" (no method), a speculating server would be counted as target-only and every speedup
+    against it would be wrong: its first cell fails naming the counters and the fix, its other cells are not measured,
+    the real target-only server's cells are kept."""
+    engine = make_server(ServerSpec(name="engine", method="eagle", num_speculative_tokens=2), tmp_path / "logs")
+    plan = tmp_path / "plan.toml"
+    plan.write_text('name = "attached"\nworkload = "code"\nbatch_sizes = [1, 2]\nrepeats = 1\nmax_tokens = 8\n'
+                    'min_prompts = 2\nprompts_per_slot = 1\n[[servers]]\nname = "target"\n'
+                    f'[[servers]]\nname = "spec"\nengine = "openai"\nurl = "{{url}}"\n')
+    engine.start()
+    try:
+        plan.write_text(plan.read_text().replace("{url}", engine.base_url))
+        out = tmp_path / "run"
+        proc = subprocess.run([*spectune_cmd, "sweep", str(plan), "--out", str(out), "--no-tune", "--no-report"],
+                              capture_output=True, text=True, timeout=600)
+    finally:
+        engine.stop()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert ("[spec] server 'spec' speculates" in proc.stdout and "2.0 draft tokens a round" in proc.stdout
+            and "num_speculative_tokens = 2" in proc.stdout), proc.stdout
+    cells = {c["cell"]: c for c in map(json.loads, map(Path.read_text, (out / "cells").glob("*.json")))}
+    assert cells["target__bs1__r0"]["status"] == cells["target__bs2__r0"]["status"] == "ok"
+    assert cells["spec__bs1__r0"]["status"] == "failed" and cells["spec__bs1__r0"]["num_drafts"] > 0
+    assert cells["spec__bs2__r0"]["status"] == "failed" and "has no `method`" in cells["spec__bs2__r0"]["error"]
+    assert not (out / "requests" / "spec__bs2__r0.parquet").exists()  # not measured: it would speculate there too
+
+
 def test_bench_against_nothing_exits_1_with_the_cause(tmp_path, spectune_cmd):
     url = f"http://127.0.0.1:{free_port()}"
     out = tmp_path / "bench"

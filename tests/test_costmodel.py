@@ -187,6 +187,14 @@ def test_fit_on_target_only_cells_says_there_is_nothing_to_fit():
         fit_sweep(cells[~cells["is_speculative"].astype(bool)])
 
 
+def test_fit_with_target_only_on_another_engine_names_both_engines_and_the_fix():
+    cells = synthetic_cells()  # an attached target-only server declared engine "openai", the speculative ones "embedded"
+    cells.loc[~cells["is_speculative"].astype(bool), "engine"] = "openai"
+    with pytest.raises(SpectuneError, match="no target-only server on 'embedded' measured ok .target-only on: openai.*"
+                                            'give the target-only server engine = "embedded"'):
+        fit_sweep(cells)
+
+
 def test_fit_recovers_per_position_acceptance_per_workload():
     fit = fit_sweep(synthetic_cells(noise=0.0))
     assert set(fit.acceptance) == set(SYNTHETIC_PROFILES)
