@@ -44,6 +44,8 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
     files = [d.file for d in deployments if d.file] + [outdir.resolve() / "deploy.md"]
     notes = [f"{d.engine}: {d.note}" for d in deployments]
     log_tuned(bench, tuned, policies, options.method, log)
+    if (unmeasured := unmeasured_steps(bench.fit, tuned)) is not None:
+        log(unmeasured)
     for d in deployments:
         log(f"{ENGINE_NAMES[d.engine]} ({d.method or 'no equivalent'}): {d.file or 'no file'}\n  {d.note}")
     report = {
@@ -68,6 +70,7 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
         **({"refined": refined} if refined else {}),
         "files": [p.name for p in files],
         "notes": notes,
+        "unmeasured_steps": unmeasured,
         "deploy": [d.to_dict() for d in deployments],
     }
     files.append(_write_text(outdir / "tuning.json", json.dumps(_jsonable(report), indent=2, allow_nan=False) + "\n"))
@@ -87,6 +90,20 @@ def log_tuned(bench: Bench, tuned: AdaptiveConfig, policies: dict, chosen: str |
     log("steps per batch size (best per-batch-size schedule, simulated): "
         + ", ".join(f"batch {b}: {g}" for b, g in sorted((int(b), int(g)) for b, g in steps.items())))
     log(f"tuned adaptive config: {describe_sglang_config(tuned)}")
+
+
+def unmeasured_steps(fit: CostFit, tuned: AdaptiveConfig) -> str | None:
+    """A note when the tuned config runs step counts the sweep never measured for its method: there it deploys the
+    model's prediction (its held-out error says how far to trust that)."""
+    measured = sorted({int(g) for steps in fit.table["steps_measured"] for g in str(steps).split(",") if g})
+    used = sorted({g for slot in tuned.slots.values() for g in slot.candidate_steps if g > 0})
+    missing = [g for g in used if g not in measured]
+    if not missing:
+        return None
+    listed = ", ".join(map(str, missing))
+    return (f"the tuned config runs {fit.method} at g = {listed}, which the sweep never measured (it measured g = "
+            f"{', '.join(map(str, measured))}): there it rests on the model's prediction; add {listed} to the plan's "
+            "num_speculative_tokens and sweep again before relying on it")
 
 
 def assess(bench: Bench, tuned: AdaptiveConfig, summary: pd.DataFrame, policies: dict, options: TuneOptions) -> dict[str, object]:

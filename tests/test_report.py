@@ -172,7 +172,8 @@ def test_report_shows_deploy_commands_verdict_and_exhaustive_from_tuning_json(tu
     tuning = json.loads(path.read_text())
     tuning |= {"deploy": DEPLOY, "verdict": {"text": "tuned adaptive is better than SGLang's default by 4.1% [2.0, 6.2]", "source": "measured"},
                "exhaustive": {"best_speedup": 1.3, "search_share": 0.97, "oracle_share": 0.8, "text": "the search found 97% of the exhaustive best"},
-               "holdout": tuning["holdout"] | {"anchor_smoothed": True}}
+               "holdout": tuning["holdout"] | {"anchor_smoothed": True},
+               "unmeasured_steps": "the tuned config runs eagle at g = 1, which the sweep never measured (it measured g = 2, 4)"}
     path.write_text(json.dumps(tuning))
     page_path, md_path = write_report(root, tmp_path / "r")
     page, md = page_path.read_text(), md_path.read_text()
@@ -183,6 +184,9 @@ def test_report_shows_deploy_commands_verdict_and_exhaustive_from_tuning_json(tu
     assert r"\<head\>" in answer_md
     assert "--speculative-config &#39;{&#34;method&#34;: &#34;ngram&#34;" in page and "&lt;head&gt;" in page
     assert "tuned adaptive is better than SGLang" in answer_md and "found 97% of the exhaustive best" in md
+    # step counts the tuned config runs that the sweep never measured: named in the answer, under the verdict
+    assert "Note: the tuned config runs eagle at g = 1, which the sweep never measured" in answer_md.split("### Deploy")[0]
+    assert "Note: the tuned config runs eagle at g = 1, which the sweep never measured" in page.split("<h3>Deploy")[0]
     # a held-out error whose anchor was smoothed (four batch sizes or more) says so under it
     holdout = md.split("### The model on cells it did not see", 1)[1].split("##", 1)[0]
     assert "Here target-only's ms per token, which every prediction at its batch size starts from, is smoothed" in holdout

@@ -89,6 +89,21 @@ def test_tune_synthetic_results_recovers_model_and_writes_valid_configs(results,
     assert "draft_model measured faster but has no llama.cpp equivalent here: llama.cpp needs a GGUF file" in deploy["llamacpp"]["note"]
 
 
+def test_a_tuned_config_running_step_counts_the_sweep_never_measured_says_so():
+    from spectune.adaptive import AdaptiveConfig
+    from spectune.costmodel import fit_sweep
+    from spectune.deploy import unmeasured_steps
+    from synthetic_sweep import synthetic_cells
+
+    cells = synthetic_cells()
+    fit = fit_sweep(cells[cells["num_speculative_tokens"].isin([0, 2, 4])])  # a sweep of g = 2 and 4, as the default plan
+    inside = AdaptiveConfig.from_dict({"1": {"candidate_steps": [2, 4]}, "8": {"candidate_steps": [0, 2]}})
+    assert unmeasured_steps(fit, inside) is None  # 0 (no drafting) needs no speculative cell
+    note = unmeasured_steps(fit, AdaptiveConfig.from_dict({"1": {"candidate_steps": [1, 4]}, "8": {"candidate_steps": [3]}}))
+    assert note is not None and "runs draft_model at g = 1, 3, which the sweep never measured (it measured g = 2, 4)" in note
+    assert "add 1, 3 to the plan's num_speculative_tokens" in note
+
+
 def test_single_workload_run_takes_phase_acceptance_from_its_round_log(tmp_path):
     # One workload per run (as a sweep writes it); its round log alternates easy and hard stretches.
     root = write_synthetic_results(tmp_path / "phase-run", profiles={"phase": AcceptanceProfile((0.6,))})

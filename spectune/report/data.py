@@ -66,6 +66,7 @@ class Tuning:
     # the measured verdict per batch size: batch_size, then the tuned config's gain (%) over each compared config
     verdict_by_batch_size: pd.DataFrame = field(default_factory=pd.DataFrame)
     refined: str | None = None  # how the tuned config was refined from measurements (spectune.refine), if it was
+    unmeasured_steps: str | None = None  # step counts the tuned config runs that the sweep never measured (deploy.unmeasured_steps)
 
 
 @dataclass(slots=True)
@@ -300,6 +301,7 @@ def read_tuning(results: Path) -> Tuning | None:
         holdout_split=marks_extrapolated(raw.get("holdout") or {}),
         verdict_by_batch_size=_by_batch_size(raw.get("verdict")),
         refined=_refined_text(raw.get("refined")),
+        unmeasured_steps=u if isinstance(u := raw.get("unmeasured_steps"), str) else None,
     )
 
 
