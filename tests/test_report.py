@@ -193,6 +193,28 @@ def test_report_shows_deploy_commands_verdict_and_exhaustive_from_tuning_json(tu
     assert "is smoothed over batch sizes" in page
 
 
+def test_a_server_measured_alone_that_drafts_is_not_called_target_only(run, tmp_path):
+    """`spectune bench` on a speculative server: the plan cannot know what it runs, its counters show it drafting.
+    Cells edited by hand to that state (the bench run itself: tests/test_bench.py)."""
+    alone = tmp_path / "alone"
+    shutil.copytree(run, alone)
+    for p in [*alone.glob("cells/*.json")]:
+        cell = json.loads(p.read_text())
+        if cell["is_speculative"]:
+            p.unlink()
+        else:
+            p.write_text(json.dumps(cell | {"num_drafts": 40.0, "acceptance_rate": 0.5, "acceptance_length": 2.0}))
+    (alone / "cells.parquet").unlink()
+    page, md = (p.read_text() for p in write_report(alone, tmp_path / "r"))
+    answer = md.split("## Speedup vs batch size")[0]
+    assert "Nothing to compare: target drafted tokens (acceptance rate 0.50), and no target-only server ran beside it" in answer
+    assert "| 2 | nothing to compare: the server speculates | – | – | 0.5 | 2 | target |" in answer
+    assert "Only target-only servers were measured" not in answer and "target-only (no speculation)" not in answer
+    # nothing a tune could fit, so the report does not send the user to run one
+    assert "Not tuned yet" not in md and "Nothing to tune: tuning needs static speculative servers" in answer
+    assert "No acceptance figures" not in md and "Nothing to compare: target drafted tokens" in page
+
+
 def test_report_survives_missing_data(run, tmp_path):
     """Pieces removed from or added to a copy of a real run: by hand, to reach the states a run can be in."""
     # target-only: no speculative server, no tuning

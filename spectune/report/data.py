@@ -88,7 +88,7 @@ class ReportData:
     manifest: dict
     cells: pd.DataFrame  # usable cells: status ok and failure rate within the plan's limit, one row per repeat
     per_cell: pd.DataFrame  # mean over repeats per (server, batch size), with min/max of throughput
-    servers: pd.DataFrame  # server, method, g, is_speculative, is_adaptive: one row per measured server
+    servers: pd.DataFrame  # server, method, g, is_speculative, is_adaptive, drafted_undeclared: one row per measured server
     recommendation: pd.DataFrame  # spectune.analysis.recommendation_table
     speedups: pd.DataFrame  # spectune.analysis.speedup_table
     predicted: pd.DataFrame  # server, batch_size, predicted_speedup (cost model, per measured g)
@@ -153,10 +153,12 @@ def collect(results: str | Path) -> ReportData:
 
 
 def _no_acceptance_without_drafts(cells: pd.DataFrame) -> pd.DataFrame:
-    """Target-only servers draft nothing: their acceptance is undefined (engines report 0), not zero."""
+    """Target-only servers draft nothing: their acceptance is undefined (engines report 0), not zero. One that drafted
+    all the same (a speculative server benched alone, undeclared) keeps what its counters say."""
     columns = [c for c in cells.columns if c in ("acceptance_rate", "acceptance_length") or POS_COLUMN.match(c)]
     cells = cells.copy()
-    cells.loc[~cells["is_speculative"].astype(bool), columns] = np.nan
+    drafted = cells["num_drafts"].fillna(0) > 0 if "num_drafts" in cells else False
+    cells.loc[~cells["is_speculative"].astype(bool) & ~drafted, columns] = np.nan
     return cells
 
 
@@ -199,12 +201,14 @@ def _servers(cells: pd.DataFrame) -> pd.DataFrame:
     frame = cells.groupby("server", sort=True).first().reset_index()
     is_adaptive = frame["adaptive_config"].notna() if "adaptive_config" in frame else pd.Series(False, index=frame.index)
     method = frame["method"] if "method" in frame else pd.Series(None, index=frame.index)
+    drafts = cells.groupby("server", sort=True)["num_drafts"].max().fillna(0).to_numpy() if "num_drafts" in cells else 0
     return pd.DataFrame({
         "server": frame["server"],
         "method": method.where(frame["is_speculative"].astype(bool), None),
         "g": frame.get("num_speculative_tokens", pd.Series(0, index=frame.index)).fillna(0).astype(int),
         "is_speculative": frame["is_speculative"].astype(bool),
         "is_adaptive": is_adaptive.astype(bool),
+        "drafted_undeclared": ~frame["is_speculative"].astype(bool) & (drafts > 0),  # see _no_acceptance_without_drafts
     })
 
 

@@ -61,7 +61,8 @@ def server_styles(servers: pd.DataFrame) -> dict[str, Style]:
         group = group.sort_values(["is_adaptive", "g"])
         if not method:
             for row in group.itertuples():
-                styles[row.server] = Style(TARGET_COLOR, "o", f"{row.server} (target-only)")
+                what = "speculates, undeclared" if getattr(row, "drafted_undeclared", False) else "target-only"
+                styles[row.server] = Style(TARGET_COLOR, "o", f"{row.server} ({what})")
             continue
         cmap = matplotlib.colormaps[cmaps[method]]
         shades = np.linspace(0.5, 0.9, len(group)) if len(group) > 1 else [0.7]
@@ -186,7 +187,7 @@ def _throughput(data: ReportData, styles: dict[str, Style]) -> Plot | None:
 def _acceptance(data: ReportData, styles: dict[str, Style]) -> Plot | None:
     import matplotlib.pyplot as plt
 
-    spec = data.per_cell[data.per_cell["is_speculative"].astype(bool)] if not data.per_cell.empty else data.per_cell
+    spec = data.per_cell[_drafts(data.per_cell)] if not data.per_cell.empty else data.per_cell
     if spec.empty or not {"acceptance_rate", "acceptance_length"} & set(spec.columns):
         return None
     if spec[[c for c in ("acceptance_rate", "acceptance_length") if c in spec]].isna().all().all():
@@ -210,9 +211,9 @@ def _acceptance(data: ReportData, styles: dict[str, Style]) -> Plot | None:
     if pos_cols:
         ax = axes[0][-1]
         ax.set_title("per draft position", fontsize=11, fontweight="bold")
-        cells = data.cells[data.cells["is_speculative"].astype(bool)]
+        cells = data.cells[_drafts(data.cells)]
         for server, frame in cells.groupby("server", sort=True):
-            g = int(frame["num_speculative_tokens"].max())
+            g = int(frame["num_speculative_tokens"].max()) or len(pos_cols)  # 0: drafting undeclared, g unknown
             cols = [(i, c) for i, c in pos_cols if i <= max(g, 1) and c in frame]
             values = [frame[c].mean() for _, c in cols]
             if cols and np.isfinite(values).any():
@@ -227,6 +228,13 @@ def _acceptance(data: ReportData, styles: dict[str, Style]) -> Plot | None:
     return Plot("acceptance", "Acceptance", "How many drafted tokens the target accepted: rate and tokens per verify round "
                 "(including the bonus token) per batch size, and per draft position over all batch sizes. Higher is better.",
                 _png(fig, tight=False))
+
+
+def _drafts(frame: pd.DataFrame) -> pd.Series:
+    """Rows of speculative servers, and of servers the plan calls target-only that drafted all the same (their
+    acceptance is kept: report.data._no_acceptance_without_drafts)."""
+    measured = frame["acceptance_rate"].notna() if "acceptance_rate" in frame else False
+    return frame["is_speculative"].astype(bool) | measured
 
 
 def _memory(data: ReportData, styles: dict[str, Style]) -> Plot | None:

@@ -96,9 +96,25 @@ def _table(rows: list[list[str]], headers: list[str], numeric: list[bool], nowra
     return Table(headers, rows, numeric, nowrap or [False] * len(headers))
 
 
+def undeclared_drafting(data: ReportData) -> dict[str, float]:
+    """Servers the plan calls target-only whose counters show them drafting (a speculative server measured alone
+    with `spectune bench`, which cannot know what it runs): their mean acceptance rate."""
+    cells = data.cells
+    if cells.empty or "num_drafts" not in cells:
+        return {}
+    drafted = cells[~cells["is_speculative"].astype(bool) & (cells["num_drafts"].fillna(0) > 0)]
+    return {str(s): float(g["acceptance_rate"].mean()) for s, g in drafted.groupby("server")}
+
+
 def recommendation_table(data: ReportData) -> Table:
     rows = []
+    drafting = undeclared_drafting(data)
     for r in data.recommendation.itertuples():
+        if r.method == "target-only" and str(r.server) in drafting and not r.compared:
+            mine = data.cells[(data.cells["server"] == r.server) & (data.cells["batch_size"] == r.batch_size)]
+            rows.append([str(r.batch_size), "nothing to compare: the server speculates", "–", "–",
+                         num(mine["acceptance_rate"].mean(), 2), num(mine["acceptance_length"].mean(), 3), str(r.server)])
+            continue
         if r.method == "target-only":
             why = ("speculation was clearly slower" if r.is_clear else "no speculative server measured at this batch size" if not r.compared
                    else "no speculative server measured faster" if not r.fastest_speedup > 1.0 else "none faster by the fitted model")
@@ -119,6 +135,12 @@ def headline(data: ReportData) -> str:
     wins = rec[rec["method"] != "target-only"]
     losses = rec[rec["method"] == "target-only"]
     if data.speedups.empty:
+        if drafting := undeclared_drafting(data):
+            names = ", ".join(drafting)
+            return (f"Nothing to compare: {names} drafted tokens (acceptance rate "
+                    f"{', '.join(f'{a:.2f}' for a in drafting.values())}), and no target-only server ran beside it. To know "
+                    "what speculation gains, sweep it beside a target-only server, its [[servers]] table saying what it runs "
+                    "(method, num_speculative_tokens).")
         return "Only target-only servers were measured: add speculative servers to the plan to compare against them."
     slower, unmeasured = losses[losses["compared"].astype(bool)], losses[~losses["compared"].astype(bool)]
     sizes = lambda frame: f"batch size{'s' if len(frame) > 1 else ''} {', '.join(str(b) for b in frame['batch_size'])}"
@@ -394,6 +416,7 @@ def context(data: ReportData, plots: list[Plot]) -> dict:
         "pick_notes": (pick_notes(data.recommendation) if not data.recommendation.empty else []) + data.model_notes,
         "tuning": tuning,
         "deploy": tuning.deploy if tuning else [],
+        "tunable": not data.speedups.empty,  # static speculative cells beside target-only: what spectune tune needs
         "plots": {p.name: p for p in plots},
         "latency": latency_table(data),
         "memory": memory_table(data),
