@@ -220,6 +220,7 @@ def compare(results: str | Path, baseline: str | Path, rules: tuple[Rule, ...] =
     that selects nothing (e.g. speedup in a run without speculative servers) is skipped, not an error."""
     now, base = _load(Path(results)), _load(Path(baseline))
     result = GateResult()
+    unlike = _unlike(base, now, str(baseline), result)
     pending: list[tuple[Rule, str, int, list[float], list[float]]] = []  # compared once their number is known
     for rule in rules:
         base_values, now_values = _values(base, rule, str(baseline), result), _values(now, rule, str(results), result)
@@ -232,6 +233,8 @@ def compare(results: str | Path, baseline: str | Path, rules: tuple[Rule, ...] =
                                      "batch_sizes and speculative filters")
             continue
         for server, bs in keys:
+            if (server, bs) in unlike:
+                continue
             b = base_values.get((server, bs), [])
             c = now_values.get((server, bs), [])
             where = f"rule {rule.name!r}, server {server}, batch size {bs}"
@@ -259,6 +262,28 @@ def compare(results: str | Path, baseline: str | Path, rules: tuple[Rule, ...] =
         result.notes.append(f"one repeat on a side, no noise estimate: judged on the threshold alone ({', '.join(single[:6])}"
                             + (f" and {len(single) - 6} more" if len(single) > 6 else "") + ")")
     return result
+
+
+def _unlike(base: pd.DataFrame, now: pd.DataFrame, baseline: str, result: GateResult) -> set[tuple[str, int]]:
+    """(server, batch size) pairs the two runs measured on different traffic (the requests, their order, output
+    lengths, arrival times: the cells' traffic digest) or on different engines: a change there is no regression.
+    One error line per kind, naming them."""
+    unlike: dict[str, list[tuple[str, int]]] = {}
+    for column, what in (("traffic_digest", "other traffic (workload, prompts, output lengths or schedule)"),
+                         ("engine", "another engine")):
+        if column not in base or column not in now:
+            continue
+        b = base.groupby(["server", "batch_size"])[column].agg(lambda v: frozenset(v.dropna()))
+        c = now.groupby(["server", "batch_size"])[column].agg(lambda v: frozenset(v.dropna()))
+        both = b.index.intersection(c.index)
+        differ = [(str(s), int(bs)) for s, bs in both if b[(s, bs)] and c[(s, bs)] and b[(s, bs)] != c[(s, bs)]]
+        if differ:
+            unlike[what] = differ
+    for what, keys in unlike.items():
+        named = ", ".join(f"{s} bs={bs}" for s, bs in keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
+        result.errors.append(f"{baseline} measured {what} than this run at {named}; a change there is not a regression: "
+                             "refresh the baseline with the current plan")
+    return {key for keys in unlike.values() for key in keys}
 
 
 def _load(root: Path) -> pd.DataFrame:

@@ -163,6 +163,18 @@ def test_gate_errors_on_baselines_it_cannot_compare(base, tmp_path, spectune_cmd
         p.unlink()
     proc = _gate(spectune_cmd, base, missing)
     assert proc.returncode == 2 and "server draft, batch size 1: no baseline value" in proc.stderr
+    # a baseline measured on other traffic at one batch size (its digest edited by hand: another plan's output
+    # lengths would do it): a change there is no regression, and nothing is judged on it
+    other = tmp_path / "other"
+    shutil.copytree(base, other)
+    for p in other.glob("cells/*__bs2__r*.json"):
+        p.write_text(json.dumps(json.loads(p.read_text()) | {"traffic_digest": "0" * 64}))
+    proc = _gate(spectune_cmd, base, other)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == (f"error: {other} measured other traffic (workload, prompts, output lengths or schedule) than "
+                                   "this run at draft bs=2, target bs=2; a change there is not a regression: refresh the "
+                                   "baseline with the current plan")
+    assert " 2 │" not in proc.stdout.split("note:")[0] and " 1 │" in proc.stdout  # batch 1 still judged, batch 2 not
     # a rule on a metric whose direction spectune does not know
     rules = tmp_path / "rules.toml"
     rules.write_text('[[rules]]\nname = "mystery"\nmetric = "kv_cache_usage"\nthreshold = 0.1\n')
