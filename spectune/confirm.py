@@ -345,11 +345,14 @@ def confirm_plan(manifest: dict, tuning: dict, tuned_dir: Path, out: Path,
 
     plan = dict(manifest["plan"])
     engine, method = tuning["engine"], tuning["method"]
-    swept = plan["servers"]
-    target = next((s for s in swept if not s.get("method") and s.get("engine", "embedded") == engine), None)
-    spec = next((s for s in swept if s.get("method") == method and s.get("engine", "embedded") == engine and not s.get("adaptive_config")), None)
+    target, spec = swept_servers(plan, engine, method)
     if target is None or spec is None:
         raise SpectuneError(f"{tuned_dir / 'tuning.json'}: the sweep has no target-only or static {method} server on {engine} to confirm with")
+    if attached := attached_servers(plan, engine, method):
+        raise SpectuneError(f"{tuned_dir / 'tuning.json'}: the sweep attached {' and '.join(attached)} by url; confirm launches each "
+                            "config it compares (tuned, SGLang's default, the best static g) as a server of its own and cannot "
+                            "change what a running server runs: sweep with servers spectune launches (no url) to confirm, or "
+                            "launch the tuned config with its command in tuned/deploy.md and measure it with spectune bench")
     out.mkdir(parents=True, exist_ok=True)
     default_file = write_sglang_config(SGLANG_DEFAULT_CONFIG, out / "sglang-default-adaptive.json")
     base = {k: v for k, v in spec.items() if k not in ("name", "num_speculative_tokens", "adaptive_config")}
@@ -374,6 +377,19 @@ def confirm_plan(manifest: dict, tuning: dict, tuned_dir: Path, out: Path,
             raise SpectuneError(f"--batch-sizes: {unknown} were not swept; choose from {plan['batch_sizes']}")
         raw["batch_sizes"] = sorted(batch_sizes)
     return servers, raw
+
+
+def swept_servers(plan: dict, engine: str, method: str) -> tuple[dict | None, dict | None]:
+    """The plan's target-only server and its first static `method` server on `engine`: what confirm launches again."""
+    swept = plan.get("servers") or []
+    target = next((s for s in swept if not s.get("method") and s.get("engine", "embedded") == engine), None)
+    spec = next((s for s in swept if s.get("method") == method and s.get("engine", "embedded") == engine and not s.get("adaptive_config")), None)
+    return target, spec
+
+
+def attached_servers(plan: dict, engine: str, method: str) -> list[str]:
+    """Of those, the ones the sweep attached by url: confirm cannot run its configs on them."""
+    return [s["name"] for s in swept_servers(plan, engine, method) if s is not None and s.get("url")]
 
 
 def alike_batch_sizes(servers: list[dict], raw: dict) -> tuple[int, ...]:

@@ -39,7 +39,7 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
     best = max(complete, key=lambda t: t.value)
     tuned = tuned or AdaptiveConfig.from_dict(best.user_attrs["config"], source=f"trial {best.number}")
     summary, policies = compare(bench, tuned)
-    assessed = assess(bench, tuned, summary, policies, options)
+    assessed = assess(bench, tuned, summary, policies, options, manifest)
     deployments = write_configs(tuned, policies, bench, cells, manifest, options, outdir)
     files = [d.file for d in deployments if d.file] + [outdir.resolve() / "deploy.md"]
     notes = [f"{d.engine}: {d.note}" for d in deployments]
@@ -106,10 +106,17 @@ def unmeasured_steps(fit: CostFit, tuned: AdaptiveConfig) -> str | None:
             "num_speculative_tokens and sweep again before relying on it")
 
 
-def assess(bench: Bench, tuned: AdaptiveConfig, summary: pd.DataFrame, policies: dict, options: TuneOptions) -> dict[str, object]:
+def assess(bench: Bench, tuned: AdaptiveConfig, summary: pd.DataFrame, policies: dict, options: TuneOptions,
+           manifest: dict) -> dict[str, object]:
     """tuning.json "verdict" (simulated, until `spectune confirm` measures; a measured one already there is kept
     when the tuned config did not change) and "exhaustive"."""
+    from spectune.confirm import attached_servers
+
     verdict = simulated_verdict(bench, tuned, int(policies["best_static"]["steps"]), options.seed)
+    if attached := attached_servers(manifest.get("plan") or {}, bench.fit.engine, bench.fit.method):
+        verdict["text"] = str(verdict["text"]).replace(
+            "not measured: run spectune confirm RESULTS", f"not measured: spectune confirm launches servers of its own, and this "
+            f"sweep attached {' and '.join(attached)}; to measure it, sweep with servers spectune launches")
     previous = _previous(options, "verdict")
     if previous and previous.get("source") == "measured" and _previous(options, "policies", {}).get("tuned_adaptive") == tuned.to_dict():
         verdict = previous

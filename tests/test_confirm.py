@@ -145,6 +145,23 @@ def test_action_on_recorded_passes_never_deploys_the_tuned_config_on_noise(run):
                                                   and all(d.hi_pct >= 0 for d in decision.differences))
 
 
+def test_confirm_refuses_a_sweep_of_attached_servers_before_measuring(tmp_path):
+    """Attached servers run one config each: confirm would measure 'tuned', 'SGLang's default' and 'static g' on the
+    very same running server (it did: all four attached to one url) and call that a verdict."""
+    from spectune.confirm import confirm_plan
+
+    plan = {"name": "att", "batch_sizes": [1, 4], "servers": [
+        {"name": "target", "engine": "embedded", "url": "http://127.0.0.1:8101"},
+        {"name": "eagle3", "engine": "embedded", "method": "eagle", "num_speculative_tokens": 3, "url": "http://127.0.0.1:8102"}]}
+    tuning = {"engine": "embedded", "method": "eagle", "policies": {"static_speedups": {"1": 1.1, "2": 1.2, "3": 1.15}}}
+    with pytest.raises(SpectuneError, match="the sweep attached target and eagle3 by url; confirm launches each config"):
+        confirm_plan({"plan": plan}, tuning, tmp_path / "tuned", tmp_path / "confirm", None)
+    assert not (tmp_path / "confirm").exists()  # nothing written
+    launched = {**plan, "servers": [{k: v for k, v in s.items() if k != "url"} for s in plan["servers"]]}
+    servers, _ = confirm_plan({"plan": launched}, tuning, tmp_path / "tuned", tmp_path / "confirm", None)
+    assert [s["name"] for s in servers] == ["target", "static-g2", "tuned", "sglang-default"] and not any("url" in s for s in servers)
+
+
 def test_action_when_every_attempt_was_run_says_another_call_adds_nothing():
     from spectune.confirm import DEFAULT, Difference, action_text
 

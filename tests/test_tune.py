@@ -104,6 +104,18 @@ def test_a_tuned_config_running_step_counts_the_sweep_never_measured_says_so():
     assert "add 1, 3 to the plan's num_speculative_tokens" in note
 
 
+def test_the_simulated_verdict_of_a_sweep_of_attached_servers_does_not_send_the_user_to_confirm(tmp_path):
+    results = write_synthetic_results(tmp_path / "attached")
+    manifest = json.loads((results / "run.json").read_text())
+    manifest["plan"]["servers"] = [{"name": "target", "engine": "embedded", "url": "http://127.0.0.1:9"},
+                                   {"name": "draft", "engine": "embedded", "method": "draft_model", "url": "http://127.0.0.1:10"}]
+    (results / "run.json").write_text(json.dumps(manifest))
+    tune(TuneOptions(results_dir=results, trials=4, seed=0, draft_model="d", exhaustive=False), log=lambda _: None)
+    verdict = json.loads((results / "tuned" / "tuning.json").read_text())["verdict"]
+    assert verdict["source"] == "simulated" and "run spectune confirm" not in verdict["text"]
+    assert "not measured: spectune confirm launches servers of its own, and this sweep attached target and draft" in verdict["text"]
+
+
 def test_single_workload_run_takes_phase_acceptance_from_its_round_log(tmp_path):
     # One workload per run (as a sweep writes it); its round log alternates easy and hard stretches.
     root = write_synthetic_results(tmp_path / "phase-run", profiles={"phase": AcceptanceProfile((0.6,))})
