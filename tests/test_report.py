@@ -244,6 +244,18 @@ def test_report_survives_missing_data(run, tmp_path):
     assert "eagle" in flagged and r"server exited during the cell; last log lines: \<boom\>" in flagged
     assert "goodput (req/s)" in md and "queue delay p50 (ms)" in md and "- `goodput_rps`" in md
     assert "Method tuned: **unknown**" in md
+    # every cell failed (an attached llama-server that refuses to erase its slots fails them all): the report is
+    # written (it stopped on a KeyError) and says so
+    failed = tmp_path / "all-failed"
+    shutil.copytree(run, failed)
+    for p in failed.glob("cells/*.json"):
+        p.write_text(json.dumps(json.loads(p.read_text()) | {"status": "failed", "error": "refused to erase slot 0"}))
+    (failed / "cells.parquet").unlink()
+    page, md = (p.read_text() for p in write_report(failed, tmp_path / "r3"))
+    cells = len(list(failed.glob("cells/*.json")))
+    assert f"**No cell finished: all {cells} failed or were cut short; their causes are under Details, Flagged cells.**" in md
+    assert md.count("No finished cell to plot.") == 2 and "No finished cell to plot." in page
+    assert "Nothing to tune" in md and "Not tuned yet" not in md
 
 
 def test_report_with_two_target_only_servers_compares_with_the_plans_first(run, tmp_path):

@@ -130,6 +130,9 @@ def recommendation_table(data: ReportData) -> Table:
 def headline(data: ReportData) -> str:
     """One sentence: where speculation pays and with what."""
     rec = data.recommendation
+    if data.per_cell.empty and not data.flagged.empty:
+        return (f"No cell finished: all {len(data.flagged)} failed or were cut short; their causes are under Details, "
+                "Flagged cells.")
     if rec.empty:
         return "No recommendation: the run has no target-only and speculative cells measured on the same traffic."
     wins = rec[rec["method"] != "target-only"]
@@ -162,6 +165,8 @@ def headline(data: ReportData) -> str:
 
 
 def latency_table(data: ReportData) -> Table:
+    if data.per_cell.empty:  # no cell finished
+        return _table([], [], [])
     metrics = [m for m, _ in (("ttft_ms", ""), ("tpot_ms", ""), ("icl_ms", "")) if f"{m}_p50" in data.per_cell]
     names = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "icl_ms": "ICL"}
     headers = ["server", "batch size"] + [f"{names[m]} {p} (ms)" for m in metrics for p in ("p50", "p90", "p99")]
