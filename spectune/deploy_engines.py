@@ -191,7 +191,7 @@ def _vllm(tuned: TunedMethod, scores: list[MethodScore], fastest: MethodScore | 
     for score in scores:
         model, reason = _vllm_model(score, override)
         if reason:
-            refused[score.method] = reason
+            refused[score.method] = (reason, score.speedup)
             continue
         is_tuned = (score.engine, score.method) == (tuned.engine, tuned.method)
         steps = tuned.steps_by_batch_size if is_tuned else score.best_steps
@@ -215,6 +215,10 @@ def _vllm(tuned: TunedMethod, scores: list[MethodScore], fastest: MethodScore | 
         kept = _write_vllm(config, outdir, manifest, score.engine, note + _no_equivalent(refused, "vLLM"))
         return Deployment("vllm", "target-only", kept.file, shlex.join(["vllm", "serve", _target(manifest, score.engine)]), kept.note)
     # nothing measured that vLLM loads: n-gram lookup needs no model, but was not measured here
+    if (none := _none_beat_target(scores, "vLLM")) is not None:
+        (outdir / "vllm_speculative_config.json").unlink(missing_ok=True)  # an earlier tune's, which no longer holds
+        return Deployment("vllm", "target-only", None, shlex.join(["vllm", "serve", _target(manifest, tuned.engine)]),
+                          none + " Launch vLLM without --speculative-config." + _no_equivalent(refused, "vLLM"))
     g = max(1, tuned.best_static)
     config = VllmSpecConfig(method="ngram", num_speculative_tokens=g, prompt_lookup_min=1, prompt_lookup_max=4)
     note = (f"ngram, NOT MEASURED in this sweep: no measured method has a model vLLM can load, and n-gram lookup needs "
@@ -268,11 +272,11 @@ def _llamacpp(tuned: TunedMethod, scores: list[MethodScore], fastest: MethodScor
         elif score.method in DRAFT_MODEL_METHODS:
             gguf, reason = _gguf(_draft_path(score, override))
             if reason:
-                refused[score.method] = reason
+                refused[score.method] = (reason, score.speedup)
                 continue
             flags = llamacpp_flags(g, draft_model_path=gguf)
         else:
-            refused[score.method] = "llama.cpp drafts only with a GGUF draft model or n-gram lookup"
+            refused[score.method] = ("llama.cpp drafts only with a GGUF draft model or n-gram lookup", score.speedup)
             continue
         if not any(score.best_steps.values()):  # slower than target-only at every batch size: do not speculate
             note = (f"no speculation: {score.method}, {_ranked(score, fastest, 'llama.cpp runs')}, measured slower than "
@@ -282,6 +286,8 @@ def _llamacpp(tuned: TunedMethod, scores: list[MethodScore], fastest: MethodScor
         note = (f"{score.method}: {_ranked(score, fastest, 'llama.cpp runs')} ({score.why()}); draft length {g} at every "
                 "batch size (llama.cpp has no per-batch-size steps).")
         return _write_llamacpp(flags, outdir, manifest, score.method, note + _no_equivalent(refused, "llama.cpp"))
+    if (none := _none_beat_target(scores, "llama.cpp")) is not None:
+        return _write_llamacpp([], outdir, manifest, "target-only", none + _no_equivalent(refused, "llama.cpp"))
     g = max(1, tuned.best_static)
     flags = llamacpp_flags(g, ngram=True) + ["--spec-ngram-simple-size-n", str(NGRAM_DEFAULT)]
     note = (f"ngram, NOT MEASURED in this sweep: no measured method is one llama.cpp runs; draft length {g} is the tuned "
@@ -320,11 +326,25 @@ def _ranked(score: MethodScore, fastest: MethodScore | None, can: str) -> str:
     return f"the fastest measured method {can}"
 
 
-def _no_equivalent(refused: dict[str, str], engine: str) -> str:
-    """The faster measured methods this engine cannot run, each with why."""
+def _no_equivalent(refused: dict[str, tuple[str, float]], engine: str) -> str:
+    """The measured methods ahead of this engine's in the ranking that it cannot run, each with why (the fastest
+    first; "faster" only where one beat target-only)."""
     if not refused:
         return ""
-    return " " + " ".join(f"{m} measured faster but has no {engine} equivalent here: {why}." for m, why in refused.items())
+    return " " + " ".join(f"{m} measured faster but has no {engine} equivalent here: {why}." if speedup > 1.0 else
+                          f"{m} (measured {speedup:.2f}x target-only) has no {engine} equivalent here either: {why}."
+                          for m, (why, speedup) in refused.items())
+
+
+def _none_beat_target(scores: list[MethodScore], engine: str) -> str | None:
+    """A note when methods were measured and none beat target-only at any batch size: then an unmeasured method is
+    no answer for `engine`, and its launch goes without speculation."""
+    if not scores or any(any(s.best_steps.values()) for s in scores):
+        return None
+    measured = ", ".join(f"{s.method} {s.speedup:.2f}x" for s in scores)
+    return (f"no speculation: no measured method beat target-only at any batch size ({measured}, output tokens/s over "
+            f"target-only); n-gram lookup, which {engine} runs without a draft model, was not measured: sweep a server "
+            "with method = \"ngram\" to know whether it does.")
 
 
 def _schedule_text(schedule: list[tuple[int, int, int]]) -> str:

@@ -159,6 +159,21 @@ def test_nothing_vllm_or_llamacpp_can_run_was_measured_gives_ngram_marked_not_me
     assert d["llamacpp"].method == "ngram" and "NOT MEASURED" in d["llamacpp"].note
 
 
+def test_an_unmeasured_ngram_is_not_offered_where_every_measured_method_lost_to_target_only(tmp_path):
+    (tmp_path / "vllm_speculative_config.json").write_text("{}")  # an earlier tune's, when eagle still won
+    slower = {"eagle-g4": {1: 0.8, 4: 0.6, 16: 0.45}}  # geometric mean 0.60
+    d = by_engine(write_deployments(tuned("eagle", {1: 0, 4: 0, 16: 0}, best_static=4), cells(slower), MANIFEST, tmp_path))
+    for engine, name in (("vllm", "vLLM"), ("llamacpp", "llama.cpp")):
+        assert d[engine].method == "target-only" and "NOT MEASURED" not in d[engine].note
+        assert d[engine].note.startswith("no speculation: no measured method beat target-only at any batch size (eagle 0.60x")
+        assert f"n-gram lookup, which {name} runs without a draft model, was not measured" in d[engine].note
+        assert f"eagle (measured 0.60x target-only) has no {name} equivalent here either" in d[engine].note
+        assert "measured faster" not in d[engine].note
+    assert d["vllm"].file is None and not (tmp_path / "vllm_speculative_config.json").exists()
+    assert d["vllm"].command.startswith("vllm serve ") and "--speculative-config" not in d["vllm"].command
+    assert d["llamacpp"].file.read_text().strip() == "" and "--spec-type" not in d["llamacpp"].command
+
+
 def test_written_files_get_the_mode_open_would_give_them(tmp_path):
     old = os.umask(0o027)
     try:
