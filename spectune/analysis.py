@@ -32,7 +32,9 @@ whose per-chunk counts (from the server or a tokenizer) do not add up to the ser
 
 Speedup (speedup_table): each speculative cell is paired with the target-only cell of the same batch
 size (and request rate, for open-loop cells) and repeat number; the speedup is the geometric mean of the
-per-repeat ratios, with a 95% t-interval on the log-ratios (NaN with a single repeat).
+per-repeat ratios, with a 95% t-interval on the log-ratios (NaN with a single repeat). In an open loop the
+arrivals set output tokens/s (every server serves the same requests at the same times), so there the speedup is
+target-only's mean TPOT over the server's: how much faster each request decodes.
 """
 
 from __future__ import annotations
@@ -203,6 +205,23 @@ def _delta(before: float | None, after: float | None) -> float | None:
     return None if before is None or after is None else after - before
 
 
+def open_loop(cells: pd.DataFrame) -> pd.Series:
+    """Cells measured under an open-loop schedule (trace, poisson): their batch size is a cap, their tok/s the arrivals'."""
+    if "schedule" in cells:
+        return cells["schedule"].fillna("closed") != "closed"
+    return cells["request_rate"].notna() if "request_rate" in cells else pd.Series(False, index=cells.index)
+
+
+OPEN_LOOP_NOTE = ("open loop: the arrivals set output tokens/s (every server got the same requests at the same times), "
+                  "so a speedup here is target-only's mean TPOT / the server's at the same request rate, each row one rate "
+                  "with its batch size as the cap on requests in flight")
+
+
+def where_text(batch_size: int, request_rate: float | None) -> str:
+    """A recommendation row's place: batch size "8", or in an open loop "16 req/s (cap 8)"."""
+    return f"{batch_size}" if pd.isna(request_rate) else f"{request_rate:g} req/s (cap {batch_size})"
+
+
 def speedup_table(
     cells: pd.DataFrame, metric: str = "output_throughput_tps", *, tpot_metric: str = "tpot_ms_mean", baseline: str | None = None
 ) -> pd.DataFrame:
@@ -235,7 +254,10 @@ def speedup_table(
     for (server, *axis), spec in ok[ok["is_speculative"].astype(bool)].groupby(["server", *keys], sort=True):
         at = target[(target[keys] == axis).all(axis=1)]
         pairs = spec.merge(at, on="repeat", suffixes=("", "_target"))
-        speedup, low, high = _ratio_ci(pairs[metric] / pairs[f"{metric}_target"])
+        ratios = pairs[metric] / pairs[f"{metric}_target"]
+        if metric == "output_throughput_tps" and tpot_metric in pairs and open_loop(pairs).all():  # module docstring
+            ratios = pairs[f"{tpot_metric}_target"] / pairs[tpot_metric]
+        speedup, low, high = _ratio_ci(ratios)
         row = {
             "server": server,
             "num_speculative_tokens": spec["num_speculative_tokens"].iloc[0],
@@ -352,7 +374,7 @@ def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, ba
     ok = cells[(cells["status"] == "ok") & (cells["failure_rate"].fillna(0.0) <= max_failure_rate)]
     if "adaptive_config" in ok:
         ok = ok[ok["adaptive_config"].isna()]
-    columns = ["batch_size", "server", "method", "steps", "speedup", "speedup_ci_low", "speedup_ci_high", "tpot_speedup",
+    columns = ["batch_size", "request_rate", "server", "method", "steps", "speedup", "speedup_ci_low", "speedup_ci_high", "tpot_speedup",
                "acceptance_rate", "acceptance_length", "is_clear", "compared", "fastest_measured", "fastest_speedup",
                "expected_speedup", "fastest_expected"]
     if ok.empty or ok["is_speculative"].astype(bool).all():
@@ -365,9 +387,14 @@ def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, ba
     acc = ok.groupby(["server", "batch_size"])[[c for c in ("acceptance_rate", "acceptance_length") if c in ok]].mean()
     target = baseline or ok.loc[~ok["is_speculative"].astype(bool), "server"].iloc[0]
     target_tps = ok[ok["server"] == target].groupby("batch_size")["output_throughput_tps"].mean()
+    rates = ok["request_rate"] if "request_rate" in ok else pd.Series(math.nan, index=ok.index)
     rows = []
-    for bs in sorted(ok.loc[ok["server"] == target, "batch_size"].unique()):
+    mine = ok["server"] == target
+    keys = {(int(b), float(r) if pd.notna(r) else None) for b, r in zip(ok.loc[mine, "batch_size"], rates[mine])}
+    for bs, rate in sorted(keys, key=lambda k: (k[0], k[1] or 0.0)):
         at = speedups[speedups["batch_size"] == bs].dropna(subset=["speedup"])
+        if rate is not None and "request_rate" in at:  # open loop: one row per batch size cap and rate
+            at = at[at["request_rate"] == rate]
         fastest = at.loc[at["speedup"].idxmax()] if not at.empty else None
         model = pd.Series([expected.get((bs, s), math.nan) / target_tps[bs] if expected is not None else math.nan
                            for s in at.get("server", [])], index=at.index, dtype=float)
@@ -379,7 +406,7 @@ def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, ba
                 "fastest_expected": float(model[fastest.name]) if fastest is not None else math.nan}
         if best is None or best["speedup"] <= 1.0 or seen["expected_speedup"] <= 1.0:
             # is_clear here: the fastest speculative server was slower beyond noise (its interval is below 1)
-            rows.append({"batch_size": int(bs), "server": target, "method": "target-only", "steps": 0, "speedup": 1.0,
+            rows.append({"batch_size": int(bs), "request_rate": math.nan if rate is None else rate, "server": target, "method": "target-only", "steps": 0, "speedup": 1.0,
                          "speedup_ci_low": math.nan, "speedup_ci_high": math.nan, "tpot_speedup": 1.0,
                          "acceptance_rate": math.nan, "acceptance_length": math.nan,
                          "is_clear": bool(fastest is not None and fastest["speedup_ci_high"] < 1.0), "compared": fastest is not None,
@@ -387,7 +414,7 @@ def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, ba
             continue
         server = best["server"]
         figures = acc.loc[(server, bs)] if (server, bs) in acc.index else pd.Series(dtype=float)
-        rows.append({"batch_size": int(bs), "server": server, "method": means.loc[server, "method"],
+        rows.append({"batch_size": int(bs), "request_rate": math.nan if rate is None else rate, "server": server, "method": means.loc[server, "method"],
                      "steps": int(best["num_speculative_tokens"]), "speedup": float(best["speedup"]),
                      "speedup_ci_low": float(best["speedup_ci_low"]), "speedup_ci_high": float(best["speedup_ci_high"]),
                      "tpot_speedup": float(best.get("tpot_speedup", math.nan)),

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from spectune.analysis import open_loop
 from spectune.costmodel import split_failed
 from spectune.drain import Speeds, fit_steady, predicted_drain, request_speeds
 from spectune.errors import SpectuneError
@@ -127,6 +128,7 @@ def model_fit(cells: pd.DataFrame, speeds: Speeds | None = None) -> pd.DataFrame
     target-only anchor."""
     columns = ["batch_size", "server", "engine", "method", "fitted_tps", "measured_tps", "trusted"]
     usable, _ = split_failed(cells)
+    usable = usable[~open_loop(usable)]  # batch size is a cap there and tok/s the arrivals' (spectune tune fits as run)
     needed = {"engine", "method", "num_speculative_tokens", "is_speculative", "batch_size", "output_throughput_tps"}
     if usable.empty or not needed <= set(usable.columns):
         return pd.DataFrame(columns=columns)

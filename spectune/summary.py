@@ -24,7 +24,7 @@ class Summary:
 
 
 def build_summary(results: Path, report_files: list[Path] = ()) -> Summary:
-    from spectune.analysis import recommendation_table
+    from spectune.analysis import OPEN_LOOP_NOTE, open_loop, recommendation_table
     from spectune.drain import request_speeds
     from spectune.guided import model_fit, trusted_tps, untrusted_notes
     from spectune.store import first_target, load_run
@@ -36,7 +36,7 @@ def build_summary(results: Path, report_files: list[Path] = ()) -> Summary:
         table = recommendation_table(run.cells, run.manifest.get("plan", {}).get("max_failure_rate", 0.05),
                                      first_target(run.manifest, run.cells), trusted_tps(fit))
         rows = [_row(r) for r in table.itertuples(index=False)]
-        notes = pick_notes(table) + untrusted_notes(fit)
+        notes = pick_notes(table) + untrusted_notes(fit) + ([OPEN_LOOP_NOTE] if open_loop(run.cells).any() else [])
     return Summary(rows=rows, deploy=_deploy(results / "tuned" / "tuning.json"), files=_files(Path(results), report_files),
                    notes=notes)
 
@@ -54,11 +54,13 @@ def pick_notes(table: pd.DataFrame) -> list[str]:
 
 
 def _row(r) -> tuple[str, ...]:
+    from spectune.analysis import where_text
+
     ci = f"[{r.speedup_ci_low:.2f}, {r.speedup_ci_high:.2f}]" if _finite(r.speedup_ci_low) else "-"
     is_target = r.method == "target-only"
     clear = "yes" if r.is_clear else ("no CI" if not _finite(r.speedup_ci_low) and not is_target
                                       else "within noise" if r.compared else "not compared")
-    return (str(r.batch_size), str(r.method), str(r.steps), f"{r.speedup:.2f}x", ci, clear,
+    return (where_text(r.batch_size, r.request_rate), str(r.method), str(r.steps), f"{r.speedup:.2f}x", ci, clear,
             f"{r.acceptance_rate:.2f}" if _finite(r.acceptance_rate) else "-",
             f"{r.acceptance_length:.2f}" if _finite(r.acceptance_length) else "-")
 
@@ -99,9 +101,13 @@ CAPTION = ("speedup: output tokens/s vs target-only at that batch size, geometri
 
 
 def caption(summary: Summary) -> str:
+    text = CAPTION
+    if any(r[0].endswith(")") for r in summary.rows):  # open loop: "16 req/s (cap 8)" rows
+        text = text.replace("speedup: output tokens/s vs target-only at that batch size", "speedup: target-only's TPOT / the "
+                            "server's at that request rate (the arrivals set tok/s)")
     if any(r[5] == "not compared" for r in summary.rows):
-        return CAPTION + "; not compared: no speculative server was measured at that batch size"
-    return CAPTION
+        return text + "; not compared: no speculative server was measured at that batch size"
+    return text
 
 
 def plain_text(summary: Summary) -> str:

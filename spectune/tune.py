@@ -176,7 +176,11 @@ def load_results(results_dir: str | Path) -> Run:
                                 "recorded the batch size its server ran; sweep again with this spectune version, or tune from a "
                                 "closed-loop sweep (schedule = \"closed\")")
         ran = ran.round().clip(lower=1).fillna(run.cells["batch_size"]).astype(int)
-        run.cells = run.cells.assign(batch_size_cap=run.cells["batch_size"], batch_size=ran)
+        # the server idled between arrivals, so its tok/s is the arrivals' rate; what it decodes at the batch size it
+        # ran is that many sequences at 1000 / TPOT tokens/s each (the measured figure is kept aside)
+        decoded = (ran * 1000.0 / run.cells["tpot_ms_mean"]).where(run.cells["tpot_ms_mean"] > 0, run.cells["output_throughput_tps"])
+        run.cells = run.cells.assign(batch_size_cap=run.cells["batch_size"], batch_size=ran,
+                                     output_throughput_tps_measured=run.cells["output_throughput_tps"], output_throughput_tps=decoded)
     return run
 
 

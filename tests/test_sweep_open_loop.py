@@ -134,9 +134,37 @@ def test_a_rate_sweep_of_the_embedded_engine_reports_and_tunes(tmp_path, spectun
     assert (cells["batch_size_ran_source"] == "round_log").all() and cells["batch_size_ran"].between(1, 4).all()
     summary = pd.read_parquet(root / "summary.parquet")
     assert sorted(summary["request_rate"]) == [2.0, 6.0]  # paired rate by rate
+    # the arrivals set tok/s (every server the same), so the speedup is target-only's TPOT over the server's
+    by = cells.set_index(["server", "request_rate"])
+    for row in summary.itertuples():
+        assert row.speedup == pytest.approx(by.loc[("target", row.request_rate), "tpot_ms_mean"]
+                                            / by.loc[("ngram", row.request_rate), "tpot_ms_mean"])
     report = subprocess.run([*spectune_cmd, "report", str(root), "--out", str(tmp_path / "report")], capture_output=True, text=True)
     assert report.returncode == 0, report.stderr
-    assert "request_rate" in (tmp_path / "report" / "report.md").read_text()
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "request_rate" in md and "| request rate (cap in flight) | use |" in md
+    assert "| 2 req/s (cap 4) |" in md and "| 6 req/s (cap 4) |" in md  # one answer per rate, not one per cap
+    assert "so a speedup here is target-only's mean TPOT / the server's at the same request rate" in md
     tune = subprocess.run([*spectune_cmd, "tune", str(root), "--trials", "2"], capture_output=True, text=True, timeout=300)
     assert tune.returncode == 0, tune.stdout + tune.stderr
     assert (root / "tuned" / "adaptive_spec.json").exists()
+
+
+def test_tune_counts_an_open_loop_cell_at_what_its_server_decoded_not_the_arrivals_rate(tmp_path):
+    """Cells edited by hand to an open loop's state: the server ran 2 sequences at 5 ms a token, between arrivals
+    that asked for 100 tokens/s in all; what it can decode there is 2 x 200 tokens/s."""
+    from spectune.tune import load_results
+    from synthetic_sweep import write_synthetic_results
+
+    root = write_synthetic_results(tmp_path / "run")
+    manifest = json.loads((root / "run.json").read_text())
+    manifest["plan"]["schedule"] = "poisson"
+    (root / "run.json").write_text(json.dumps(manifest))
+    for p in (root / "cells").glob("*.json"):
+        cell = json.loads(p.read_text())
+        p.write_text(json.dumps(cell | {"schedule": "poisson", "request_rate": 2.0, "batch_size_ran": 2.2,
+                                        "tpot_ms_mean": 5.0, "output_throughput_tps": 100.0}))
+    (root / "cells.parquet").unlink()
+    cells = load_results(root).cells
+    assert (cells["batch_size"] == 2).all() and np.allclose(cells["output_throughput_tps"], 400.0)
+    assert (cells["output_throughput_tps_measured"] == 100.0).all() and (cells["batch_size_cap"] > 0).all()

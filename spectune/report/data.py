@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from spectune.analysis import OPEN_LOOP_NOTE, open_loop
 from spectune.confirm import naming_run
 from spectune.drain import request_speeds
 from spectune.errors import SpectuneError
@@ -131,6 +132,8 @@ def collect(results: str | Path) -> ReportData:
         where = ", ".join(f"{r.server} batch {r.batch_size} r{r.repeat}" for r in hit.itertuples())
         notes.append(f"client saturated in {len(hit)} cell(s) ({where}): their inter-chunk and TTFT figures measure the "
                      "load generator, not the server; sweep again with more load-generator processes (workers = 2 or more)")
+    if open_loop(usable).any():
+        notes.append(OPEN_LOOP_NOTE)
     if not usable.empty and usable["repeat"].nunique() < 2:
         notes.append("one repeat per cell: no confidence intervals and no noise estimate; sweep with repeats = 3 for them")
     return ReportData(
@@ -218,7 +221,7 @@ def _predicted(usable: pd.DataFrame, notes: list[str]) -> pd.DataFrame:
     from spectune.costmodel import fit_sweep, prediction_vs_measurement
 
     needed = {"engine", "method", "adaptive_config", "workload", "acceptance_length", "tpot_ms_mean", "output_throughput_tps"}
-    if usable.empty or not needed <= set(usable.columns):
+    if usable.empty or not needed <= set(usable.columns) or open_loop(usable).any():  # open loop: batch size is only a cap
         return pd.DataFrame(columns=["server", "batch_size", "predicted_speedup"])
     static = usable[usable["is_speculative"].astype(bool) & usable["adaptive_config"].isna()]
     frames = []

@@ -101,11 +101,12 @@ def _speedup(data: ReportData, styles: dict[str, Style]) -> Plot | None:
     for ax in axes.flat[len(methods):]:
         ax.set_visible(False)
     colors = method_colors(data.servers)
+    col = x_axis(data)[0]
     for ax, method in zip(axes.flat, methods):
         for server, group in frame[frame["method"] == method].groupby("server", sort=True):
             s = styles[server]
-            group = group.sort_values("batch_size")
-            x = group["batch_size"].to_numpy(float)
+            group = group.sort_values(col)
+            x = group[col].to_numpy(float)
             ax.plot(x, group["speedup"], marker=s.marker, color=s.color, lw=2, ms=7, label=s.label.split(" (")[0])
             low, high = group["speedup_ci_low"].to_numpy(float), group["speedup_ci_high"].to_numpy(float)
             if np.isfinite(low).any():
@@ -115,14 +116,14 @@ def _speedup(data: ReportData, styles: dict[str, Style]) -> Plot | None:
                 ax.plot(pred["batch_size"], pred["predicted_speedup"], ls="--", lw=1.3, color=s.color)
         ax.axhline(1.0, color="#555555", lw=1.2, ls=":")
         ax.set_title(method, color=colors.get(method, TARGET_COLOR), fontsize=11, fontweight="bold")
-        _batch_axis(ax, data.batch_sizes)
+        _x(ax, data)
         handles, labels = ax.get_legend_handles_labels()
         if not data.predicted[data.predicted["server"].map(method_of) == method].empty:
             handles.append(Line2D([], [], ls="--", color="#555555", lw=1.3))
             labels.append("model prediction")
         ax.legend(handles, labels, fontsize=8, loc="best", framealpha=0.85)
     for ax in axes[:, 0]:
-        ax.set_ylabel("speedup vs target-only (×, output tok/s)")
+        ax.set_ylabel("speedup vs target-only (×, output tok/s)" if col == "batch_size" else "speedup vs target-only (×, its TPOT / the server's)")
     # The y range follows the estimates, not the intervals: with 2 repeats a t-interval can span x0.3..x3 and would
     # flatten every line; a band that leaves the plot is clipped (the table above gives its numbers).
     points = pd.concat([frame["speedup"], data.predicted["predicted_speedup"]]).astype(float)
@@ -133,7 +134,7 @@ def _speedup(data: ReportData, styles: dict[str, Style]) -> Plot | None:
     axes[0][0].text(0.02, 1.0, "break-even", transform=axes[0][0].get_yaxis_transform(), va="bottom", fontsize=8, color="#555555")
     caption = ("Above the dotted break-even line speculation beats target-only on the same traffic; shaded: 95% CI over "
                "repeats" + ("; dashed: what the fitted cost model predicts for that g." if not data.predicted.empty else "."))
-    return Plot("speedup", "Speedup vs batch size", caption, _png(fig))
+    return Plot("speedup", "Speedup vs batch size" if col == "batch_size" else "Speedup vs request rate", caption, _png(fig))
 
 
 LATENCIES = (("ttft_ms", "TTFT", "time to first token (ms)"), ("tpot_ms", "TPOT", "time per output token (ms)"),
@@ -149,14 +150,15 @@ def _latency(data: ReportData, styles: dict[str, Style]) -> Plot | None:
     fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown), 4.4), squeeze=False)
     for ax, (metric, title, label) in zip(axes[0], shown):
         ax.set_title(title, fontsize=11, fontweight="bold")
+        col = x_axis(data)[0]
         for server, frame in data.per_cell.groupby("server", sort=True):
             s = styles[server]
-            frame = frame.sort_values("batch_size")
-            x = frame["batch_size"].to_numpy(float)
+            frame = frame.sort_values(col)
+            x = frame[col].to_numpy(float)
             ax.plot(x, frame[f"{metric}_p50"], marker=s.marker, color=s.color, lw=1.8, ms=5, label=s.label)
             if f"{metric}_p99" in frame:
                 ax.plot(x, frame[f"{metric}_p99"], ls=":", lw=1.1, color=s.color, alpha=0.8)
-        _batch_axis(ax, data.batch_sizes)
+        _x(ax, data)
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
     _figure_legend(fig, axes[0][0])
@@ -170,18 +172,21 @@ def _throughput(data: ReportData, styles: dict[str, Style]) -> Plot | None:
     if data.per_cell.empty or "output_throughput_tps" not in data.per_cell:
         return None
     fig, ax = plt.subplots(figsize=(9, 4.6))
+    col = x_axis(data)[0]
     for server, frame in data.per_cell.groupby("server", sort=True):
         s = styles[server]
-        frame = frame.sort_values("batch_size")
+        frame = frame.sort_values(col)
         y = frame["output_throughput_tps"].to_numpy(float)
-        ax.errorbar(frame["batch_size"], y, yerr=[y - frame["tps_min"].to_numpy(float), frame["tps_max"].to_numpy(float) - y],
+        ax.errorbar(frame[col], y, yerr=[y - frame["tps_min"].to_numpy(float), frame["tps_max"].to_numpy(float) - y],
                     marker=s.marker, color=s.color, lw=1.8, ms=6, capsize=3, label=s.label)
-    _batch_axis(ax, data.batch_sizes)
+    _x(ax, data)
     ax.set_ylabel("output throughput (tokens/s)")
     ax.set_ylim(bottom=0)
     _legend(ax, *ax.get_legend_handles_labels())
-    return Plot("throughput", "Output throughput vs batch size", "Output tokens per second, all requests of a cell together "
-                "(mean over repeats; bars: lowest to highest repeat). Higher is better.", _png(fig))
+    caption = ("Output tokens per second, all requests of a cell together (mean over repeats; bars: lowest to highest "
+               "repeat). " + ("Higher is better." if col == "batch_size" else "Open loop: the arrivals set it, so servers "
+                              "that keep up lie together; speculation shows in latency."))
+    return Plot("throughput", "Output throughput vs batch size", caption, _png(fig))
 
 
 def _acceptance(data: ReportData, styles: dict[str, Style]) -> Plot | None:
@@ -199,11 +204,12 @@ def _acceptance(data: ReportData, styles: dict[str, Style]) -> Plot | None:
     fig, axes = plt.subplots(1, len(panels) + bool(pos_cols), figsize=(4.2 * (len(panels) + bool(pos_cols)), 4.4), squeeze=False)
     for ax, (metric, title, label) in zip(axes[0], panels):
         ax.set_title(title, fontsize=11, fontweight="bold")
+        col = x_axis(data)[0]
         for server, frame in spec.groupby("server", sort=True):
             s = styles[server]
-            frame = frame.sort_values("batch_size")
-            ax.plot(frame["batch_size"], frame[metric], marker=s.marker, color=s.color, lw=1.8, ms=5, label=s.label)
-        _batch_axis(ax, data.batch_sizes)
+            frame = frame.sort_values(col)
+            ax.plot(frame[col], frame[metric], marker=s.marker, color=s.color, lw=1.8, ms=5, label=s.label)
+        _x(ax, data)
         ax.set_ylabel(label)
         ax.set_ylim(0, 1.05 if metric == "acceptance_rate" else None)
         if metric == "acceptance_length":
@@ -284,14 +290,31 @@ def _tuning(data: ReportData, styles: dict[str, Style]) -> Plot | None:
 # --- helpers -----------------------------------------------------------------------------------------------
 
 
-def _batch_axis(ax, sizes: list[int]) -> None:
+def x_axis(data: ReportData) -> tuple[str, list, str]:
+    """What the figures plot against: batch size, or in an open loop with one cap the request rate (its batch size
+    is only the cap on requests in flight): (column, measured values, axis label)."""
+    frame = data.per_cell
+    if not frame.empty and "request_rate" in frame and frame["request_rate"].notna().any() and len(data.batch_sizes) == 1:
+        return "request_rate", sorted(frame["request_rate"].dropna().unique()), \
+            f"request rate (requests/s; at most {data.batch_sizes[0]} in flight)"
+    return "batch_size", list(data.batch_sizes), BATCH_LABEL
+
+
+def _x(ax, data: ReportData) -> str:
+    column, values, label = x_axis(data)
+    _batch_axis(ax, values)
+    ax.set_xlabel(label)
+    return column
+
+
+def _batch_axis(ax, sizes: list) -> None:
     """Log-2 axis when the sizes span a factor of 4 or more; ticks only at measured sizes, as plain numbers."""
     from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
     if len(sizes) > 1 and max(sizes) / max(min(sizes), 1) >= 4:
         ax.set_xscale("log", base=2)
     ax.xaxis.set_major_locator(FixedLocator(sizes))
-    ax.xaxis.set_major_formatter(FixedFormatter([str(s) for s in sizes]))
+    ax.xaxis.set_major_formatter(FixedFormatter([f"{s:g}" for s in sizes]))
     ax.xaxis.set_minor_locator(NullLocator())
     if len(sizes) == 1:
         ax.set_xlim(sizes[0] * 0.5, sizes[0] * 1.5)

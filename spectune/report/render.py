@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from spectune.analysis import where_text
 from spectune.confirm import naming_run
 from spectune.holdout import ANCHOR_NOTE, HOLDOUT_NAMES, HOLDOUTS, NOISE_FLOOR_MEANING, NONE_INSIDE, NOT_COMPUTED, ONE_LAUNCH_NOTE, none_inside
 from spectune.report.data import ReportData
@@ -112,18 +113,20 @@ def recommendation_table(data: ReportData) -> Table:
     for r in data.recommendation.itertuples():
         if r.method == "target-only" and str(r.server) in drafting and not r.compared:
             mine = data.cells[(data.cells["server"] == r.server) & (data.cells["batch_size"] == r.batch_size)]
-            rows.append([str(r.batch_size), "nothing to compare: the server speculates", "–", "–",
+            rows.append([where_text(r.batch_size, r.request_rate), "nothing to compare: the server speculates", "–", "–",
                          num(mine["acceptance_rate"].mean(), 2), num(mine["acceptance_length"].mean(), 3), str(r.server)])
             continue
         if r.method == "target-only":
             why = ("speculation was clearly slower" if r.is_clear else "no speculative server measured at this batch size" if not r.compared
                    else "no speculative server measured faster" if not r.fastest_speedup > 1.0 else "none faster by the fitted model")
-            rows.append([str(r.batch_size), "target-only (no speculation)", "–", f"1× ({why})", "", "", str(r.server)])
+            rows.append([where_text(r.batch_size, r.request_rate), "target-only (no speculation)", "–", f"1× ({why})", "", "", str(r.server)])
             continue
         noise = "" if r.is_clear else ", within noise"
-        rows.append([str(r.batch_size), str(r.method), str(r.steps), speedup_text(r.speedup, r.speedup_ci_low, r.speedup_ci_high) + noise,
+        rows.append([where_text(r.batch_size, r.request_rate), str(r.method), str(r.steps), speedup_text(r.speedup, r.speedup_ci_low, r.speedup_ci_high) + noise,
                      num(r.acceptance_rate, 2), num(r.acceptance_length, 3), str(r.server)])
-    return _table(rows, ["batch size", "use", "g", "speedup (95% CI)", "acceptance rate", "tokens / round", "server"],
+    rates = data.recommendation["request_rate"] if "request_rate" in data.recommendation else pd.Series(dtype=float)
+    place = "request rate (cap in flight)" if rates.notna().any() else "batch size"
+    return _table(rows, [place, "use", "g", "speedup (95% CI)", "acceptance rate", "tokens / round", "server"],
                   [True, False, True, True, True, True, False], [False, True, False, True, False, False, True])
 
 
@@ -146,7 +149,10 @@ def headline(data: ReportData) -> str:
                     "(method, num_speculative_tokens).")
         return "Only target-only servers were measured: add speculative servers to the plan to compare against them."
     slower, unmeasured = losses[losses["compared"].astype(bool)], losses[~losses["compared"].astype(bool)]
-    sizes = lambda frame: f"batch size{'s' if len(frame) > 1 else ''} {', '.join(str(b) for b in frame['batch_size'])}"
+    def sizes(frame: pd.DataFrame) -> str:
+        rates = frame["request_rate"] if "request_rate" in frame else pd.Series(math.nan, index=frame.index)
+        places = ", ".join(where_text(b, r) for b, r in zip(frame["batch_size"], rates))
+        return places if rates.notna().any() else f"batch size{'s' if len(frame) > 1 else ''} {places}"
     parts = []
     for (method, steps), group in wins.groupby(["method", "steps"], sort=False):
         parts.append(f"{method} with g={steps} at {sizes(group)} (up to {group['speedup'].max():.2f}× target-only)")
