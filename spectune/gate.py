@@ -144,6 +144,11 @@ class Check:
     ci_low: float  # Welch t-interval on the change at the gate's level (FAMILY_LEVEL); NaN without a noise estimate
     ci_high: float
     verdict: str  # "ok", "improved", "within noise", "regression", "missing"
+    request_rate: float = 0.0  # open loop: the cell's rate (req/s); 0 in a closed loop
+
+    @property
+    def place(self) -> str:
+        return _place(self.batch_size, self.request_rate)
 
     @property
     def failed(self) -> bool:
@@ -232,12 +237,12 @@ def compare(results: str | Path, baseline: str | Path, rules: tuple[Rule, ...] =
                 result.errors.append(f"rule {rule.name!r}: selects no (server, batch size) in {baseline}; check its servers, "
                                      "batch_sizes and speculative filters")
             continue
-        for server, bs in keys:
-            if (server, bs) in unlike:
+        for server, bs, rate in keys:
+            if (server, bs, rate) in unlike:
                 continue
-            b = base_values.get((server, bs), [])
-            c = now_values.get((server, bs), [])
-            where = f"rule {rule.name!r}, server {server}, batch size {bs}"
+            b = base_values.get((server, bs, rate), [])
+            c = now_values.get((server, bs, rate), [])
+            where = f"rule {rule.name!r}, server {server}, batch size {_place(bs, rate)}"
             b_finite = [v for v in b if math.isfinite(v)]
             if not b:
                 result.errors.append(f"{where}: no baseline value in {baseline} (not measured there, or failed); refresh the baseline")
@@ -250,14 +255,14 @@ def compare(results: str | Path, baseline: str | Path, rules: tuple[Rule, ...] =
                 continue
             c_finite = [v for v in c if math.isfinite(v)]
             if not c_finite:
-                result.checks.append(Check(rule, server, bs, tuple(b_finite), (), math.nan, math.nan, math.nan, "missing"))
+                result.checks.append(Check(rule, server, bs, tuple(b_finite), (), math.nan, math.nan, math.nan, "missing", rate))
                 continue
-            pending.append((rule, server, bs, b_finite, c_finite))
+            pending.append((rule, server, bs, rate, b_finite, c_finite))
     m = max(1, sum(len(b) >= 2 and len(c) >= 2 for *_, b, c in pending))
-    for rule, server, bs, b, c in pending:
+    for rule, server, bs, rate, b, c in pending:
         change, low, high, verdict = compare_values(b, c, rule.direction, rule.threshold, checks=m)
-        result.checks.append(Check(rule, server, bs, tuple(b), tuple(c), change, low, high, verdict))
-    single = sorted({f"{c.server} bs={c.batch_size}" for c in result.checks if c.verdict != "missing" and not c.has_noise_estimate})
+        result.checks.append(Check(rule, server, bs, tuple(b), tuple(c), change, low, high, verdict, rate))
+    single = sorted({f"{c.server} bs={c.place}" for c in result.checks if c.verdict != "missing" and not c.has_noise_estimate})
     if single:
         result.notes.append(f"one repeat on a side, no noise estimate: judged on the threshold alone ({', '.join(single[:6])}"
                             + (f" and {len(single) - 6} more" if len(single) > 6 else "") + ")")
@@ -273,14 +278,14 @@ def _unlike(base: pd.DataFrame, now: pd.DataFrame, baseline: str, result: GateRe
                          ("engine", "another engine")):
         if column not in base or column not in now:
             continue
-        b = base.groupby(["server", "batch_size"])[column].agg(lambda v: frozenset(v.dropna()))
-        c = now.groupby(["server", "batch_size"])[column].agg(lambda v: frozenset(v.dropna()))
+        b = base.groupby(["server", "batch_size", "rate"])[column].agg(lambda v: frozenset(v.dropna()))
+        c = now.groupby(["server", "batch_size", "rate"])[column].agg(lambda v: frozenset(v.dropna()))
         both = b.index.intersection(c.index)
-        differ = [(str(s), int(bs)) for s, bs in both if b[(s, bs)] and c[(s, bs)] and b[(s, bs)] != c[(s, bs)]]
+        differ = [(str(s), int(bs), float(r)) for s, bs, r in both if b[(s, bs, r)] and c[(s, bs, r)] and b[(s, bs, r)] != c[(s, bs, r)]]
         if differ:
             unlike[what] = differ
     for what, keys in unlike.items():
-        named = ", ".join(f"{s} bs={bs}" for s, bs in keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
+        named = ", ".join(f"{s} bs={_place(bs, r)}" for s, bs, r in keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
         result.errors.append(f"{baseline} measured {what} than this run at {named}; a change there is not a regression: "
                              "refresh the baseline with the current plan")
     return {key for keys in unlike.values() for key in keys}
@@ -293,10 +298,18 @@ def _load(root: Path) -> pd.DataFrame:
         raise SpectuneError(f"{root}: no finished cells to compare; run spectune sweep first")
     limit = float(run.manifest.get("plan", {}).get("max_failure_rate", 0.05))
     failure_rate = cells["failure_rate"].fillna(0.0) if "failure_rate" in cells else 0.0
-    return cells[(cells["status"] == "ok") & (failure_rate <= limit)]
+    rate = cells["request_rate"].astype(float).fillna(0.0) if "request_rate" in cells else 0.0
+    return cells[(cells["status"] == "ok") & (failure_rate <= limit)].assign(rate=rate)
 
 
-def _values(cells: pd.DataFrame, rule: Rule, where: str, result: GateResult) -> dict[tuple[str, int], list[float]] | None:
+def _place(batch_size: int, rate: float) -> str:
+    """A check's cell: "4", or in an open loop "16 req/s (cap 4)"."""
+    from spectune.analysis import where_text
+
+    return where_text(batch_size, rate or None)
+
+
+def _values(cells: pd.DataFrame, rule: Rule, where: str, result: GateResult) -> dict[tuple[str, int, float], list[float]] | None:
     """(server, batch size) -> per-repeat values of the rule's metric, after its server filters."""
     if rule.metric in ("speedup", "tpot_speedup"):
         frame = _speedup_per_repeat(cells, rule, where, result)
@@ -315,14 +328,15 @@ def _values(cells: pd.DataFrame, rule: Rule, where: str, result: GateResult) -> 
         frame = frame[spec]
     if rule.servers:
         frame = frame[frame["server"].map(lambda s: any(fnmatch.fnmatchcase(str(s), p) for p in rule.servers))]
-    out: dict[tuple[str, int], list[float]] = {}
-    for (server, bs), group in frame.groupby(["server", "batch_size"], sort=True):
-        out[(str(server), int(bs))] = [float(v) for v in group.sort_values("repeat")["value"]]
+    out: dict[tuple[str, int, float], list[float]] = {}
+    for (server, bs, rate), group in frame.groupby(["server", "batch_size", "rate"], sort=True):
+        out[(str(server), int(bs), float(rate))] = [float(v) for v in group.sort_values("repeat")["value"]]
     return out
 
 
 def _speedup_per_repeat(cells: pd.DataFrame, rule: Rule, where: str, result: GateResult) -> pd.DataFrame | None:
-    """Speculative / target-only output throughput (tpot_speedup: target / speculative TPOT) per repeat."""
+    """Speculative / target-only output throughput (tpot_speedup: target / speculative TPOT) per repeat; in an open loop,
+    where the arrivals set tok/s, speedup is the TPOT ratio too (spectune.analysis.speedup_table)."""
     targets = sorted(cells.loc[~cells["is_speculative"].astype(bool), "server"].unique())
     if len(targets) != 1:
         if targets or cells["is_speculative"].astype(bool).any():
@@ -334,18 +348,22 @@ def _speedup_per_repeat(cells: pd.DataFrame, rule: Rule, where: str, result: Gat
     if metric not in cells:
         result.errors.append(f"rule {rule.name!r}: {rule.metric} needs {metric} in the cells of {where}")
         return None
-    target = cells.loc[cells["server"] == targets[0], ["batch_size", "repeat", metric]].rename(columns={metric: "base"})
-    spec = cells[cells["is_speculative"].astype(bool)].merge(target, on=["batch_size", "repeat"])
+    from spectune.analysis import open_loop
+
+    if not invert and "tpot_ms_mean" in cells and open_loop(cells).all():
+        metric, invert = "tpot_ms_mean", True
+    target = cells.loc[cells["server"] == targets[0], ["batch_size", "rate", "repeat", metric]].rename(columns={metric: "base"})
+    spec = cells[cells["is_speculative"].astype(bool)].merge(target, on=["batch_size", "rate", "repeat"])
     ratio = spec["base"] / spec[metric] if invert else spec[metric] / spec["base"]
     return spec.assign(value=ratio.astype(float))
 
 
-def _selected(rule: Rule, base: dict, now: dict) -> list[tuple[str, int]]:
+def _selected(rule: Rule, base: dict, now: dict) -> list[tuple[str, int, float]]:
     keys = sorted(set(base) | set(now))
     if rule.batch_sizes:
         keys = [k for k in keys if k[1] in rule.batch_sizes]
     if rule.smallest_batch_sizes:
-        sizes = sorted({bs for _, bs in base} or {bs for _, bs in now})[: rule.smallest_batch_sizes]
+        sizes = sorted({bs for _, bs, _ in base} or {bs for _, bs, _ in now})[: rule.smallest_batch_sizes]
         keys = [k for k in keys if k[1] in sizes]
     return keys
 
@@ -372,7 +390,7 @@ def _rows(result: GateResult) -> list[list[str]]:
     for c in result.checks:
         limit = f"{'-' if c.rule.direction == 'higher' else '+'}{c.rule.threshold:.0%}"
         change = f"{c.change:+.1%}" if math.isfinite(c.change) else ""
-        rows.append([c.rule.name, c.server, str(c.batch_size), _mean_text(c.baseline), _mean_text(c.current), change,
+        rows.append([c.rule.name, c.server, c.place, _mean_text(c.baseline), _mean_text(c.current), change,
                      _ci_text(c), limit, c.verdict.upper() if c.failed else c.verdict])
     return rows
 
@@ -400,7 +418,7 @@ def print_result(result: GateResult, console=None) -> None:
     for error in result.errors:
         console.print(f"error: {error}", style="bold red")
     for c in result.regressions:
-        console.print(f"REGRESSION: rule {c.rule.name!r} ({c.rule.describe()}): {c.server} batch size {c.batch_size}: "
+        console.print(f"REGRESSION: rule {c.rule.name!r} ({c.rule.describe()}): {c.server} batch size {c.place}: "
                       + (f"{c.rule.metric} {c.change:+.1%}" if c.verdict == "regression" else "not measured in the new run"),
                       style="bold red")
     console.print(result.headline(), style="bold green" if result.verdict == "PASS" else "bold red")
@@ -413,7 +431,7 @@ def write_junit(result: GateResult, path: str | Path) -> Path:
     suite = ET.Element("testsuite", name="spectune gate", tests=str(len(result.checks) + len(result.errors)),
                        failures=str(len(result.regressions)), errors=str(len(result.errors)), skipped="0")
     for c, row in zip(result.checks, _rows(result)):
-        case = ET.SubElement(suite, "testcase", classname=f"spectune.gate.{c.rule.name}", name=f"{c.server} bs={c.batch_size}")
+        case = ET.SubElement(suite, "testcase", classname=f"spectune.gate.{c.rule.name}", name=f"{c.server} bs={c.place}")
         detail = "; ".join(f"{h}: {v}" for h, v in zip(HEADERS, row))
         if c.failed:
             message = f"{c.rule.metric} {c.change:+.1%}" if c.verdict == "regression" else "not measured in the new run"

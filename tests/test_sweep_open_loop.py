@@ -145,6 +145,16 @@ def test_a_rate_sweep_of_the_embedded_engine_reports_and_tunes(tmp_path, spectun
     assert "request_rate" in md and "| request rate (cap in flight) | use |" in md
     assert "| 2 req/s (cap 4) |" in md and "| 6 req/s (cap 4) |" in md  # one answer per rate, not one per cap
     assert "so a speedup here is target-only's mean TPOT / the server's at the same request rate" in md
+    # the gate judges each rate on its own, and speedup as the report gives it
+    from spectune.gate import compare
+
+    gate = compare(root, root)
+    assert gate.exit_code == 0 and not gate.errors
+    speedups = {c.place: c.current for c in gate.checks if c.rule.metric == "speedup"}
+    assert set(speedups) == {"2 req/s (cap 4)", "6 req/s (cap 4)"}
+    for row in summary.itertuples():
+        ratio = by.loc[("target", row.request_rate), "tpot_ms_mean"] / by.loc[("ngram", row.request_rate), "tpot_ms_mean"]
+        assert speedups[f"{row.request_rate:g} req/s (cap 4)"] == pytest.approx((ratio,))
     tune = subprocess.run([*spectune_cmd, "tune", str(root), "--trials", "2"], capture_output=True, text=True, timeout=300)
     assert tune.returncode == 0, tune.stdout + tune.stderr
     assert (root / "tuned" / "adaptive_spec.json").exists()
