@@ -389,12 +389,13 @@ def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, ba
     target_tps = ok[ok["server"] == target].groupby("batch_size")["output_throughput_tps"].mean()
     rates = ok["request_rate"] if "request_rate" in ok else pd.Series(math.nan, index=ok.index)
     rows = []
-    mine = ok["server"] == target
+    mine = ok["server"] == target  # open loop: one row per batch size cap and rate (rate None in a closed loop)
     keys = {(int(b), float(r) if pd.notna(r) else None) for b, r in zip(ok.loc[mine, "batch_size"], rates[mine])}
     for bs, rate in sorted(keys, key=lambda k: (k[0], k[1] or 0.0)):
         at = speedups[speedups["batch_size"] == bs].dropna(subset=["speedup"])
-        if rate is not None and "request_rate" in at:  # open loop: one row per batch size cap and rate
+        if rate is not None and "request_rate" in at:
             at = at[at["request_rate"] == rate]
+        place = {"batch_size": int(bs), "request_rate": math.nan if rate is None else rate}
         fastest = at.loc[at["speedup"].idxmax()] if not at.empty else None
         model = pd.Series([expected.get((bs, s), math.nan) / target_tps[bs] if expected is not None else math.nan
                            for s in at.get("server", [])], index=at.index, dtype=float)
@@ -406,7 +407,7 @@ def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, ba
                 "fastest_expected": float(model[fastest.name]) if fastest is not None else math.nan}
         if best is None or best["speedup"] <= 1.0 or seen["expected_speedup"] <= 1.0:
             # is_clear here: the fastest speculative server was slower beyond noise (its interval is below 1)
-            rows.append({"batch_size": int(bs), "request_rate": math.nan if rate is None else rate, "server": target, "method": "target-only", "steps": 0, "speedup": 1.0,
+            rows.append({**place, "server": target, "method": "target-only", "steps": 0, "speedup": 1.0,
                          "speedup_ci_low": math.nan, "speedup_ci_high": math.nan, "tpot_speedup": 1.0,
                          "acceptance_rate": math.nan, "acceptance_length": math.nan,
                          "is_clear": bool(fastest is not None and fastest["speedup_ci_high"] < 1.0), "compared": fastest is not None,
@@ -414,7 +415,7 @@ def recommendation_table(cells: pd.DataFrame, max_failure_rate: float = 0.05, ba
             continue
         server = best["server"]
         figures = acc.loc[(server, bs)] if (server, bs) in acc.index else pd.Series(dtype=float)
-        rows.append({"batch_size": int(bs), "request_rate": math.nan if rate is None else rate, "server": server, "method": means.loc[server, "method"],
+        rows.append({**place, "server": server, "method": means.loc[server, "method"],
                      "steps": int(best["num_speculative_tokens"]), "speedup": float(best["speedup"]),
                      "speedup_ci_low": float(best["speedup_ci_low"]), "speedup_ci_high": float(best["speedup_ci_high"]),
                      "tpot_speedup": float(best.get("tpot_speedup", math.nan)),

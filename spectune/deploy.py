@@ -95,10 +95,10 @@ def log_tuned(bench: Bench, tuned: AdaptiveConfig, policies: dict, chosen: str |
 def unmeasured_steps(fit: CostFit, tuned: AdaptiveConfig) -> str | None:
     """A note when the tuned config runs step counts the sweep never measured for its method: there it deploys the
     model's prediction (its held-out error says how far to trust that)."""
-    measured = sorted({int(g) for steps in fit.table["steps_measured"] for g in str(steps).split(",") if g})
+    measured = sorted({int(g) for steps in fit.table.get("steps_measured", ()) for g in str(steps).split(",") if g})
     used = sorted({g for slot in tuned.slots.values() for g in slot.candidate_steps if g > 0})
     missing = [g for g in used if g not in measured]
-    if not missing:
+    if not missing or not measured:
         return None
     listed = ", ".join(map(str, missing))
     return (f"the tuned config runs {fit.method} at g = {listed}, which the sweep never measured (it measured g = "

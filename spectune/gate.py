@@ -281,7 +281,8 @@ def _unlike(base: pd.DataFrame, now: pd.DataFrame, baseline: str, result: GateRe
         b = base.groupby(["server", "batch_size", "rate"])[column].agg(lambda v: frozenset(v.dropna()))
         c = now.groupby(["server", "batch_size", "rate"])[column].agg(lambda v: frozenset(v.dropna()))
         both = b.index.intersection(c.index)
-        differ = [(str(s), int(bs), float(r)) for s, bs, r in both if b[(s, bs, r)] and c[(s, bs, r)] and b[(s, bs, r)] != c[(s, bs, r)]]
+        differ = [(str(s), int(bs), float(r)) for s, bs, r in both
+                  if b[(s, bs, r)] and c[(s, bs, r)] and b[(s, bs, r)] != c[(s, bs, r)]]
         if differ:
             unlike[what] = differ
     for what, keys in unlike.items():

@@ -123,7 +123,8 @@ def _speedup(data: ReportData, styles: dict[str, Style]) -> Plot | None:
             labels.append("model prediction")
         ax.legend(handles, labels, fontsize=8, loc="best", framealpha=0.85)
     for ax in axes[:, 0]:
-        ax.set_ylabel("speedup vs target-only (×, output tok/s)" if col == "batch_size" else "speedup vs target-only (×, its TPOT / the server's)")
+        what = "output tok/s" if col == "batch_size" else "its TPOT / the server's"
+        ax.set_ylabel(f"speedup vs target-only (×, {what})")
     # The y range follows the estimates, not the intervals: with 2 repeats a t-interval can span x0.3..x3 and would
     # flatten every line; a band that leaves the plot is clipped (the table above gives its numbers).
     points = pd.concat([frame["speedup"], data.predicted["predicted_speedup"]]).astype(float)

@@ -119,10 +119,12 @@ def recommendation_table(data: ReportData) -> Table:
         if r.method == "target-only":
             why = ("speculation was clearly slower" if r.is_clear else "no speculative server measured at this batch size" if not r.compared
                    else "no speculative server measured faster" if not r.fastest_speedup > 1.0 else "none faster by the fitted model")
-            rows.append([where_text(r.batch_size, r.request_rate), "target-only (no speculation)", "–", f"1× ({why})", "", "", str(r.server)])
+            rows.append([where_text(r.batch_size, r.request_rate), "target-only (no speculation)", "–", f"1× ({why})", "", "",
+                         str(r.server)])
             continue
         noise = "" if r.is_clear else ", within noise"
-        rows.append([where_text(r.batch_size, r.request_rate), str(r.method), str(r.steps), speedup_text(r.speedup, r.speedup_ci_low, r.speedup_ci_high) + noise,
+        rows.append([where_text(r.batch_size, r.request_rate), str(r.method), str(r.steps),
+                     speedup_text(r.speedup, r.speedup_ci_low, r.speedup_ci_high) + noise,
                      num(r.acceptance_rate, 2), num(r.acceptance_length, 3), str(r.server)])
     rates = data.recommendation["request_rate"] if "request_rate" in data.recommendation else pd.Series(dtype=float)
     place = "request rate (cap in flight)" if rates.notna().any() else "batch size"
