@@ -213,8 +213,8 @@ def open_loop(cells: pd.DataFrame) -> pd.Series:
 
 
 OPEN_LOOP_NOTE = ("open loop: the arrivals set output tokens/s (every server got the same requests at the same times), "
-                  "so a speedup here is target-only's mean TPOT / the server's at the same request rate, each row one rate "
-                  "with its batch size as the cap on requests in flight")
+                  "so a speedup here is target-only's mean TPOT / the server's on the same arrivals (a row per request rate "
+                  "where the plan sets rates), the batch size being the cap on requests in flight")
 
 
 def where_text(batch_size: int, request_rate: float | None) -> str:

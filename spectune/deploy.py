@@ -44,7 +44,7 @@ def finalize(study, bench: Bench, cells: pd.DataFrame, manifest: dict, options: 
     files = [d.file for d in deployments if d.file] + [outdir.resolve() / "deploy.md"]
     notes = [f"{d.engine}: {d.note}" for d in deployments]
     log_tuned(bench, tuned, policies, options.method, log)
-    if (unmeasured := unmeasured_steps(bench.fit, tuned)) is not None:
+    if (unmeasured := unmeasured_steps(bench.fit, tuned, cells)) is not None:
         log(unmeasured)
     for d in deployments:
         log(f"{ENGINE_NAMES[d.engine]} ({d.method or 'no equivalent'}): {d.file or 'no file'}\n  {d.note}")
@@ -92,10 +92,13 @@ def log_tuned(bench: Bench, tuned: AdaptiveConfig, policies: dict, chosen: str |
     log(f"tuned adaptive config: {describe_sglang_config(tuned)}")
 
 
-def unmeasured_steps(fit: CostFit, tuned: AdaptiveConfig) -> str | None:
+def unmeasured_steps(fit: CostFit, tuned: AdaptiveConfig, cells: pd.DataFrame) -> str | None:
     """A note when the tuned config runs step counts the sweep never measured for its method: there it deploys the
     model's prediction (its held-out error says how far to trust that)."""
-    measured = sorted({int(g) for steps in fit.table.get("steps_measured", ()) for g in str(steps).split(",") if g})
+    ok = cells[(cells["status"] == "ok") & (cells["engine"] == fit.engine) & (cells["method"] == fit.method)]
+    if "adaptive_config" in ok:
+        ok = ok[ok["adaptive_config"].isna()]
+    measured = sorted({int(g) for g in ok["num_speculative_tokens"].dropna() if g > 0})
     used = sorted({g for slot in tuned.slots.values() for g in slot.candidate_steps if g > 0})
     missing = [g for g in used if g not in measured]
     if not missing or not measured:

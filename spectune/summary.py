@@ -21,6 +21,7 @@ class Summary:
     deploy: list[tuple[str, str, str]]  # engine, method, file
     files: list[str]  # every file or folder written, absolute; folders with their file count
     notes: list[str] = field(default_factory=list)  # where the pick is not the server measured fastest, or the fit missed
+    open_loop: bool = False  # trace or poisson: the speedup is a TPOT ratio (analysis.speedup_table)
 
 
 def build_summary(results: Path, report_files: list[Path] = ()) -> Summary:
@@ -31,14 +32,15 @@ def build_summary(results: Path, report_files: list[Path] = ()) -> Summary:
 
     run = load_run(results)
     rows, notes = [], []
+    opened = not run.cells.empty and bool(open_loop(run.cells).any())
     if not run.cells.empty:
         fit = model_fit(run.cells, request_speeds(run.requests))
         table = recommendation_table(run.cells, run.manifest.get("plan", {}).get("max_failure_rate", 0.05),
                                      first_target(run.manifest, run.cells), trusted_tps(fit))
         rows = [_row(r) for r in table.itertuples(index=False)]
-        notes = pick_notes(table) + untrusted_notes(fit) + ([OPEN_LOOP_NOTE] if open_loop(run.cells).any() else [])
+        notes = pick_notes(table) + untrusted_notes(fit) + ([OPEN_LOOP_NOTE] if opened else [])
     return Summary(rows=rows, deploy=_deploy(results / "tuned" / "tuning.json"), files=_files(Path(results), report_files),
-                   notes=notes)
+                   notes=notes, open_loop=opened)
 
 
 def pick_notes(table: pd.DataFrame) -> list[str]:
@@ -102,9 +104,9 @@ CAPTION = ("speedup: output tokens/s vs target-only at that batch size, geometri
 
 def caption(summary: Summary) -> str:
     text = CAPTION
-    if any(r[0].endswith(")") for r in summary.rows):  # open loop: "16 req/s (cap 8)" rows
+    if summary.open_loop:
         text = text.replace("speedup: output tokens/s vs target-only at that batch size", "speedup: target-only's TPOT / the "
-                            "server's at that request rate (the arrivals set tok/s)")
+                            "server's on the same arrivals (they set tok/s)")
     if any(r[5] == "not compared" for r in summary.rows):
         return text + "; not compared: no speculative server was measured at that batch size"
     return text

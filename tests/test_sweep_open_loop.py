@@ -144,7 +144,7 @@ def test_a_rate_sweep_of_the_embedded_engine_reports_and_tunes(tmp_path, spectun
     md = (tmp_path / "report" / "report.md").read_text()
     assert "request_rate" in md and "| request rate (cap in flight) | use |" in md
     assert "| 2 req/s (cap 4) |" in md and "| 6 req/s (cap 4) |" in md  # one answer per rate, not one per cap
-    assert "so a speedup here is target-only's mean TPOT / the server's at the same request rate" in md
+    assert "so a speedup here is target-only's mean TPOT / the server's on the same arrivals" in md
     # the gate judges each rate on its own, and speedup as the report gives it
     from spectune.gate import compare
 

@@ -96,10 +96,11 @@ def test_a_tuned_config_running_step_counts_the_sweep_never_measured_says_so():
     from synthetic_sweep import synthetic_cells
 
     cells = synthetic_cells()
-    fit = fit_sweep(cells[cells["num_speculative_tokens"].isin([0, 2, 4])])  # a sweep of g = 2 and 4, as the default plan
     inside = AdaptiveConfig.from_dict({"1": {"candidate_steps": [2, 4]}, "8": {"candidate_steps": [0, 2]}})
-    assert unmeasured_steps(fit, inside) is None  # 0 (no drafting) needs no speculative cell
-    note = unmeasured_steps(fit, AdaptiveConfig.from_dict({"1": {"candidate_steps": [1, 4]}, "8": {"candidate_steps": [3]}}))
+    swept = cells[cells["num_speculative_tokens"].isin([0, 2, 4])]
+    fit = fit_sweep(swept)  # a sweep of g = 2 and 4, as the default plan
+    assert unmeasured_steps(fit, inside, swept) is None  # 0 (no drafting) needs no speculative cell
+    note = unmeasured_steps(fit, AdaptiveConfig.from_dict({"1": {"candidate_steps": [1, 4]}, "8": {"candidate_steps": [3]}}), swept)
     assert note is not None and "runs draft_model at g = 1, 3, which the sweep never measured (it measured g = 2, 4)" in note
     assert "add 1, 3 to the plan's num_speculative_tokens" in note
 
