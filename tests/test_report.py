@@ -256,6 +256,16 @@ def test_report_survives_missing_data(run, tmp_path):
     assert f"**No cell finished: all {cells} failed or were cut short; their causes are under Details, Flagged cells.**" in md
     assert md.count("No finished cell to plot.") == 2 and "No finished cell to plot." in page
     assert "Nothing to tune" in md and "Not tuned yet" not in md
+    # adaptive servers only beside target-only (marked by hand): speedups, but nothing spectune tune can fit
+    adaptive = tmp_path / "adaptive-only"
+    shutil.copytree(run, adaptive)
+    for p in adaptive.glob("cells/*.json"):
+        cell = json.loads(p.read_text())
+        if cell["is_speculative"]:
+            p.write_text(json.dumps(cell | {"adaptive_config": "/abs/adaptive_spec.json"}))
+    (adaptive / "cells.parquet").unlink()
+    page, md = (p.read_text() for p in write_report(adaptive, tmp_path / "r4"))
+    assert "Nothing to tune: tuning needs static speculative servers" in md and "Not tuned yet" not in md
 
 
 def test_report_with_two_target_only_servers_compares_with_the_plans_first(run, tmp_path):

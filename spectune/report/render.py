@@ -132,6 +132,17 @@ def recommendation_table(data: ReportData) -> Table:
                   [True, False, True, True, True, True, False], [False, True, False, True, False, False, True])
 
 
+def tunable(data: ReportData) -> bool:
+    """Static speculative cells beside target-only: what spectune tune needs (adaptive servers' steps move in a cell)."""
+    cells = data.cells
+    if data.speedups.empty or cells.empty:
+        return False
+    static = cells["is_speculative"].astype(bool) & (cells["num_speculative_tokens"].fillna(0) > 0)
+    if "adaptive_config" in cells:
+        static &= cells["adaptive_config"].isna()
+    return bool(static.any())
+
+
 def headline(data: ReportData) -> str:
     """One sentence: where speculation pays and with what."""
     rec = data.recommendation
@@ -429,7 +440,7 @@ def context(data: ReportData, plots: list[Plot]) -> dict:
         "pick_notes": (pick_notes(data.recommendation) if not data.recommendation.empty else []) + data.model_notes,
         "tuning": tuning,
         "deploy": tuning.deploy if tuning else [],
-        "tunable": not data.speedups.empty,  # static speculative cells beside target-only: what spectune tune needs
+        "tunable": tunable(data),
         "plots": {p.name: p for p in plots},
         "latency": latency_table(data),
         "memory": memory_table(data),
