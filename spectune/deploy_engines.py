@@ -285,6 +285,9 @@ def _llamacpp(tuned: TunedMethod, scores: list[MethodScore], fastest: MethodScor
             return _write_llamacpp([], outdir, manifest, "target-only", note + _no_equivalent(refused, "llama.cpp"))
         note = (f"{score.method}: {_ranked(score, fastest, 'llama.cpp runs')} ({score.why()}); draft length {g} at every "
                 "batch size (llama.cpp has no per-batch-size steps).")
+        if slower := sorted(bs for bs, k in score.best_steps.items() if k == 0):
+            note += (f" It measured no faster than target-only at batch size {', '.join(map(str, slower))}: where a server "
+                     "runs that many requests at once, launch it without these flags.")
         return _write_llamacpp(flags, outdir, manifest, score.method, note + _no_equivalent(refused, "llama.cpp"))
     if (none := _none_beat_target(scores, "llama.cpp")) is not None:
         return _write_llamacpp([], outdir, manifest, "target-only", none + _no_equivalent(refused, "llama.cpp"))

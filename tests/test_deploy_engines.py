@@ -109,6 +109,8 @@ def test_eagle_fastest_sglang_runs_it_vllm_and_llamacpp_get_what_they_can_load_w
     assert d["llamacpp"].method == "ngram" and "-md" not in flags
     assert flags == ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-m", "3", "--spec-ngram-simple-size-n", "1"]
     assert "eagle measured faster but has no llama.cpp equivalent here" in d["llamacpp"].note
+    # one draft length for every batch size: where ngram lost (16), the note says to launch without it
+    assert "It measured no faster than target-only at batch size 16: where a server runs that many" in d["llamacpp"].note
     assert shlex.split(d["llamacpp"].command)[:3] == ["llama-server", "-m", TARGET_GGUF] and TARGET_GGUF in d["llamacpp"].note
 
     md = (out / "deploy.md").read_text()
