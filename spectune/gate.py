@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from spectune.analysis import t_quantile
+from spectune.analysis import open_loop, t_quantile, where_text
 from spectune.errors import SpectuneError
 from spectune.store import atomic_write_bytes, load_run
 
@@ -269,11 +269,11 @@ def compare(results: str | Path, baseline: str | Path, rules: tuple[Rule, ...] =
     return result
 
 
-def _unlike(base: pd.DataFrame, now: pd.DataFrame, baseline: str, result: GateResult) -> set[tuple[str, int]]:
-    """(server, batch size) pairs the two runs measured on different traffic (the requests, their order, output
+def _unlike(base: pd.DataFrame, now: pd.DataFrame, baseline: str, result: GateResult) -> set[tuple[str, int, float]]:
+    """(server, batch size, rate) cells the two runs measured on different traffic (the requests, their order, output
     lengths, arrival times: the cells' traffic digest) or on different engines: a change there is no regression.
     One error line per kind, naming them."""
-    unlike: dict[str, list[tuple[str, int]]] = {}
+    unlike: dict[str, list[tuple[str, int, float]]] = {}
     for column, what in (("traffic_digest", "other traffic (workload, prompts, output lengths or schedule)"),
                          ("engine", "another engine")):
         if column not in base or column not in now:
@@ -305,13 +305,11 @@ def _load(root: Path) -> pd.DataFrame:
 
 def _place(batch_size: int, rate: float) -> str:
     """A check's cell: "4", or in an open loop "16 req/s (cap 4)"."""
-    from spectune.analysis import where_text
-
     return where_text(batch_size, rate or None)
 
 
 def _values(cells: pd.DataFrame, rule: Rule, where: str, result: GateResult) -> dict[tuple[str, int, float], list[float]] | None:
-    """(server, batch size) -> per-repeat values of the rule's metric, after its server filters."""
+    """(server, batch size, rate; 0 in a closed loop) -> per-repeat values of the rule's metric, after its server filters."""
     if rule.metric in ("speedup", "tpot_speedup"):
         frame = _speedup_per_repeat(cells, rule, where, result)
         if frame is None:
@@ -349,8 +347,6 @@ def _speedup_per_repeat(cells: pd.DataFrame, rule: Rule, where: str, result: Gat
     if metric not in cells:
         result.errors.append(f"rule {rule.name!r}: {rule.metric} needs {metric} in the cells of {where}")
         return None
-    from spectune.analysis import open_loop
-
     if not invert and "tpot_ms_mean" in cells and open_loop(cells).all():
         metric, invert = "tpot_ms_mean", True
     target = cells.loc[cells["server"] == targets[0], ["batch_size", "rate", "repeat", metric]].rename(columns={metric: "base"})

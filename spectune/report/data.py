@@ -155,13 +155,20 @@ def collect(results: str | Path) -> ReportData:
     )
 
 
+def drafted_undeclared(cells: pd.DataFrame) -> pd.Series:
+    """Cells of servers the plan calls target-only whose counters show them drafting (a speculative server measured
+    alone with `spectune bench`, which cannot know what it runs)."""
+    if "num_drafts" not in cells:
+        return pd.Series(False, index=cells.index)
+    return ~cells["is_speculative"].astype(bool) & (cells["num_drafts"].fillna(0) > 0)
+
+
 def _no_acceptance_without_drafts(cells: pd.DataFrame) -> pd.DataFrame:
     """Target-only servers draft nothing: their acceptance is undefined (engines report 0), not zero. One that drafted
-    all the same (a speculative server benched alone, undeclared) keeps what its counters say."""
+    all the same keeps what its counters say."""
     columns = [c for c in cells.columns if c in ("acceptance_rate", "acceptance_length") or POS_COLUMN.match(c)]
     cells = cells.copy()
-    drafted = cells["num_drafts"].fillna(0) > 0 if "num_drafts" in cells else False
-    cells.loc[~cells["is_speculative"].astype(bool) & ~drafted, columns] = np.nan
+    cells.loc[~cells["is_speculative"].astype(bool) & ~drafted_undeclared(cells), columns] = np.nan
     return cells
 
 
@@ -204,14 +211,14 @@ def _servers(cells: pd.DataFrame) -> pd.DataFrame:
     frame = cells.groupby("server", sort=True).first().reset_index()
     is_adaptive = frame["adaptive_config"].notna() if "adaptive_config" in frame else pd.Series(False, index=frame.index)
     method = frame["method"] if "method" in frame else pd.Series(None, index=frame.index)
-    drafts = cells.groupby("server", sort=True)["num_drafts"].max().fillna(0).to_numpy() if "num_drafts" in cells else 0
+    drafted = drafted_undeclared(cells).groupby(cells["server"]).any()
     return pd.DataFrame({
         "server": frame["server"],
         "method": method.where(frame["is_speculative"].astype(bool), None),
         "g": frame.get("num_speculative_tokens", pd.Series(0, index=frame.index)).fillna(0).astype(int),
         "is_speculative": frame["is_speculative"].astype(bool),
         "is_adaptive": is_adaptive.astype(bool),
-        "drafted_undeclared": ~frame["is_speculative"].astype(bool) & (drafts > 0),  # see _no_acceptance_without_drafts
+        "drafted_undeclared": frame["server"].map(drafted).fillna(False).astype(bool),
     })
 
 

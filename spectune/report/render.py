@@ -17,7 +17,7 @@ import pandas as pd
 from spectune.analysis import where_text
 from spectune.confirm import naming_run
 from spectune.holdout import ANCHOR_NOTE, HOLDOUT_NAMES, HOLDOUTS, NOISE_FLOOR_MEANING, NONE_INSIDE, NOT_COMPUTED, ONE_LAUNCH_NOTE, none_inside
-from spectune.report.data import ReportData
+from spectune.report.data import ReportData, drafted_undeclared
 from spectune.report.plots import Plot
 from spectune.summary import pick_notes
 
@@ -98,12 +98,10 @@ def _table(rows: list[list[str]], headers: list[str], numeric: list[bool], nowra
 
 
 def undeclared_drafting(data: ReportData) -> dict[str, float]:
-    """Servers the plan calls target-only whose counters show them drafting (a speculative server measured alone
-    with `spectune bench`, which cannot know what it runs): their mean acceptance rate."""
-    cells = data.cells
-    if cells.empty or "num_drafts" not in cells:
+    """Servers the plan calls target-only that drafted (report.data.drafted_undeclared): their mean acceptance rate."""
+    if data.cells.empty:
         return {}
-    drafted = cells[~cells["is_speculative"].astype(bool) & (cells["num_drafts"].fillna(0) > 0)]
+    drafted = data.cells[drafted_undeclared(data.cells)]
     return {str(s): float(g["acceptance_rate"].mean()) for s, g in drafted.groupby("server")}
 
 
