@@ -88,8 +88,9 @@ def tune(
     results: Path = typer.Argument(..., help="A results directory written by spectune sweep."),
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL. Default: sqlite:///<RESULTS>/study.db; postgresql://... shares one study across machines."),
     trials: int = typer.Option(100, min=0, help="Trials to run here (0: only write the configs from the study's best trial)."),
-    objective: str = typer.Option("throughput", help="throughput (tokens/s) or latency (mean TPOT) of decode rounds; or "
-                                  "ttft, tpot, e2e of replayed traffic (embedded-engine sweeps)."),
+    objective: Optional[str] = typer.Option(None, help="throughput (tokens/s) or latency (mean TPOT) of decode rounds; or "
+                                            "ttft, tpot, e2e of replayed traffic (embedded-engine sweeps). Default: throughput, "
+                                            "latency for an open-loop sweep (trace, poisson), where the arrivals set tokens/s."),
     traffic: Optional[str] = typer.Option(None, help="ttft/tpot/e2e: workload (name or file, with arrival_s) to replay. Default: the sweep's."),
     max_concurrency: Optional[int] = typer.Option(None, help="ttft/tpot/e2e: requests in flight and engine slots. Default: the sweep's largest batch size."),
     acceptance_from: Optional[Path] = typer.Option(None, help="ttft/tpot/e2e: a results directory of static servers of the method measured on "

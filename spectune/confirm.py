@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from spectune.analysis import t_quantile
+from spectune.analysis import open_loop, t_quantile
 from spectune.errors import SpectuneError
 
 ALPHA = 0.05  # chance, over all looks, of calling a difference that is not there
@@ -52,6 +52,7 @@ METRICS = {
     "e2e": ("e2e_ms_mean", False, "mean e2e latency"),
 }
 TUNED, DEFAULT, STATIC, TARGET = "tuned", "sglang-default", "static", "target"
+PLACE = ["batch_size", "request_rate"]  # where a pass's four servers are compared: a batch size, and a rate in an open loop (else 0)
 # What the tuned server is compared with. The best static config is whichever of the best speculative static g and
 # target-only (g = 0) measured better: the verdict names it, and the rule waits for all three.
 COMPARED = {DEFAULT: "SGLang's default", STATIC: "the best speculative static g", TARGET: "target-only"}
@@ -240,9 +241,12 @@ def confirm(options: ConfirmOptions, log: Callable[[str], None] = print) -> Conf
     tuned_dir = options.tuned_dir or Path(options.results_dir) / "tuned"
     tuning = read_tuning(tuned_dir)
     out = options.out_dir or default_out_dir(Path(options.results_dir), tuning)
-    objective = tuning["objective"]
-    metric, higher, words = METRICS[objective]
     sweep = load_run(options.results_dir)
+    objective = tuning["objective"]
+    if objective == "throughput" and open_loop(sweep.cells).any():
+        objective = "latency"
+        log("open loop: every server gets the same arrivals, which set output tokens/s; the passes compare mean TPOT")
+    metric, higher, words = METRICS[objective]
     servers, raw = confirm_plan(sweep.manifest, tuning, tuned_dir, out, options.batch_sizes)
     cost = step_cost(sweep, tuning)
     look_schedule(options.min_passes, options.max_passes)  # bad bounds fail before anything runs
@@ -414,7 +418,7 @@ def pool_alike(table: pd.DataFrame, alike: tuple[int, ...]) -> pd.DataFrame:
     if table.empty or not alike:
         return table
     pair = table["role"].isin([TUNED, DEFAULT]) & table["batch_size"].isin(alike)
-    pooled = table[pair].groupby(["pass", "batch_size"])["value"].transform("mean")
+    pooled = table[pair].groupby(["pass", *PLACE])["value"].transform("mean")
     return table.assign(value=table["value"].where(~pair, pooled))
 
 
@@ -462,9 +466,9 @@ def pass_table(out: Path, num_passes: int, metric: str, max_foreign_cores: float
             cache[i] = _pass_rows(pass_dir, i, metric, cost)
         if i in cache:
             frames.append(cache[i])
-    table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["pass", "server", "role", "batch_size", "value",
+    table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["pass", "server", "role", *PLACE, "value",
                                                                                        "foreign_cpu_cores", "speed_index", "interleaved"])
-    if not table.empty and table.groupby("batch_size")["traffic_digest"].nunique().max() > 1:
+    if not table.empty and table.groupby(PLACE)["traffic_digest"].nunique().max() > 1:
         raise SpectuneError(f"{out}: the passes sent different traffic (traffic digests differ); start over with a new --out")
     if table.empty:
         return table.assign(speed_index=np.nan, disturbed=False)
@@ -477,9 +481,9 @@ def mark_disturbed(table: pd.DataFrame, max_foreign_cores: float, max_slowdown: 
     passes. In an interleaved pass a slowdown all of a batch size's cells share cancels in their differences, so slow
     is against the pass's other cells at that batch size: by more than max_slowdown and by more than OUTLIER_SD robust
     standard deviations of that ratio over every interleaved cell (a noisy host's routine spread is no disturbance)."""
-    across = table.groupby(["server", "batch_size"])["speed_index"].transform("median")
+    across = table.groupby(["server", *PLACE])["speed_index"].transform("median")
     interleaved = table["interleaved"].astype(bool)
-    ratio = np.log(table["speed_index"] / table.groupby(["pass", "batch_size"])["speed_index"].transform("median"))
+    ratio = np.log(table["speed_index"] / table.groupby(["pass", *PLACE])["speed_index"].transform("median"))
     spread = 1.4826 * float(ratio[interleaved].abs().median()) if interleaved.any() else 0.0
     limit = max(math.log1p(max_slowdown), OUTLIER_SD * spread) if math.isfinite(spread) else math.log1p(max_slowdown)
     slow = (ratio > limit).where(interleaved, table["speed_index"] > across * (1 + max_slowdown))
@@ -495,7 +499,7 @@ def _pass_rows(pass_dir: Path, number: int, metric: str, cost) -> pd.DataFrame:
     cells = run.cells[run.cells["status"] == "ok"]
     speed = speed_index(run, cost).reindex(cells["cell"]).to_numpy() if cost is not None else np.full(len(cells), np.nan)
     return pd.DataFrame({"pass": number, "server": cells["server"], "role": cells["server"].map(_role), "batch_size": cells["batch_size"],
-                         "value": cells[metric], "traffic_digest": cells["traffic_digest"],
+                         "request_rate": cells.get("request_rate", pd.Series(np.nan, index=cells.index)).fillna(0.0), "value": cells[metric], "traffic_digest": cells["traffic_digest"],
                          "foreign_cpu_cores": cells.get("foreign_cpu_cores", pd.Series(np.nan, index=cells.index)), "speed_index": speed,
                          "interleaved": bool(run.manifest["plan"].get("interleave", False))})
 
@@ -508,7 +512,7 @@ def pass_gains(table: pd.DataFrame, higher_is_better: bool) -> pd.DataFrame:
     """Per pass (rows) and comparison (columns): the tuned server's log-ratio gain, averaged over batch sizes."""
     if table.empty:
         return pd.DataFrame(columns=list(COMPARED))
-    wide = table.pivot_table(index=["pass", "batch_size"], columns="role", values="value")
+    wide = table.pivot_table(index=["pass", *PLACE], columns="role", values="value")
     sign = 1.0 if higher_is_better else -1.0
     gains = pd.DataFrame({c: sign * np.log(wide[TUNED] / wide[c]) for c in COMPARED})
     return gains.groupby(level="pass").mean().dropna()

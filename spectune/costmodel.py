@@ -569,10 +569,15 @@ def _joint_table(local: pd.DataFrame, target: pd.DataFrame, coef: np.ndarray) ->
 def _fit_round_cost(target: pd.DataFrame, spec: pd.DataFrame) -> pd.DataFrame:
     rows = []
     spec = spec.dropna(subset=["output_throughput_tps", "tpot_ms_mean", "acceptance_length"])
+    anchors = ms_per_token(target).groupby(target["batch_size"]).mean().dropna()
     for bs, points in spec.groupby("batch_size"):
         base = ms_per_token(target[target["batch_size"] == bs]).dropna()
+        if base.empty and len(anchors) >= 2 and anchors.index.min() < bs < anchors.index.max():
+            # An open loop: on the same arrivals a faster server runs fewer sequences at once (target-only at 3, EAGLE
+            # at 2), so g = 0 is anchored between target-only's neighbours, as RoundCost.t_round reads between them.
+            base = pd.Series([float(np.interp(bs, anchors.index.to_numpy(float), anchors.to_numpy(float)))])
         if base.empty:
-            continue  # no target-only TPOT at this batch size: nothing to anchor g = 0
+            continue  # no target-only TPOT at or around this batch size: nothing to anchor g = 0
         t1, t1_sd = float(base.mean()), float(base.std(ddof=1)) if len(base) > 1 else math.nan
         g = points["num_speculative_tokens"].to_numpy(float)
         t = round_points(points, spec).to_numpy(float)

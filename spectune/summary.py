@@ -102,6 +102,15 @@ CAPTION = ("speedup: output tokens/s vs target-only at that batch size, geometri
            "clear?: the CI excludes 1; acceptance: accepted / proposed drafts; accept. length: tokens per verify round")
 
 
+def columns(summary: Summary) -> tuple[str, ...]:
+    """COLUMNS; in an open loop a row is a request rate and its cap on requests in flight (as in the report)."""
+    return ("request rate (cap in flight)", *COLUMNS[1:]) if summary.open_loop else COLUMNS
+
+
+def title(summary: Summary) -> str:
+    return TITLE.replace("per batch size", "per request rate") if summary.open_loop else TITLE
+
+
 def caption(summary: Summary) -> str:
     text = CAPTION
     if summary.open_loop:
@@ -113,10 +122,10 @@ def caption(summary: Summary) -> str:
 
 
 def plain_text(summary: Summary) -> str:
-    lines = [TITLE, caption(summary)]
+    lines = [title(summary), caption(summary)]
     if summary.rows:
-        widths = [max(len(c), *(len(r[i]) for r in summary.rows)) for i, c in enumerate(COLUMNS)]
-        lines.append("  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)).rstrip())
+        widths = [max(len(c), *(len(r[i]) for r in summary.rows)) for i, c in enumerate(columns(summary))]
+        lines.append("  ".join(c.ljust(w) for c, w in zip(columns(summary), widths)).rstrip())
         lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in summary.rows]
     else:
         lines.append("(no target-only cell finished: nothing to recommend)")
@@ -133,8 +142,8 @@ def plain_text(summary: Summary) -> str:
 def print_rich(summary: Summary, console) -> None:
     from rich.table import Table
 
-    table = Table(title=TITLE, caption=caption(summary), title_justify="left", caption_justify="left")
-    for i, c in enumerate(COLUMNS):
+    table = Table(title=title(summary), caption=caption(summary), title_justify="left", caption_justify="left")
+    for i, c in enumerate(columns(summary)):
         table.add_column(c, justify="right" if i in (0, 2, 3, 6, 7) else "left")
     for r in summary.rows:
         table.add_row(*r)

@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd
 
 from spectune.adaptive import AdaptiveConfig
+from spectune.analysis import open_loop
 from spectune.comparisons import best_schedule
 from spectune.confirm import naming_run
 from spectune.deploy import finalize
@@ -40,7 +41,7 @@ class TuneOptions:
     results_dir: Path
     storage: str | None = None  # Optuna RDB URL; None = sqlite:///<results_dir>/study.db
     trials: int = 100
-    objective: str = "throughput"
+    objective: str | None = None  # None: "throughput", or "latency" for an open-loop sweep (default_objective)
     worker: bool = False  # only run trials; write nothing
     seed: int = 0  # traces use it as is; a worker's sampler adds its pid so that workers explore apart
     sglang_version: str = "0.5.23"
@@ -66,9 +67,14 @@ class TuneOutcome:
 
 
 def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcome:
-    if options.objective not in OBJECTIVES:
+    if options.objective is not None and options.objective not in OBJECTIVES:
         raise SpectuneError(f"--objective {options.objective!r}: must be one of {', '.join(OBJECTIVES)}")
     run = load_results(options.results_dir)
+    if options.objective is None:
+        options = replace(options, objective=default_objective(run.cells))
+        if options.objective == "latency":
+            log(f"open loop: tuning for latency (mean TPOT of decode rounds), as the answer is in TPOT (the arrivals set tokens/s); "
+                "--objective throughput tunes tokens/s at the batch sizes the servers ran")
     outdir = options.out_dir or Path(options.results_dir) / "tuned"
     refined, record = refine(outdir) if options.refine and not options.worker else (None, None)  # before the bench: fails fast
     method = options.method or sglang_method(run.cells)
@@ -98,6 +104,12 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcom
         for line in holdout_lines(report.get("holdout", {})):
             log(naming_run(line, options.results_dir))
     return outcome
+
+
+def default_objective(cells: pd.DataFrame) -> str:
+    """What to tune for when none is named: tokens/s of closed loops; in an open loop the arrivals set tokens/s, and
+    the answer is target-only's TPOT over the server's (spectune.analysis.open_loop), so mean TPOT there."""
+    return "latency" if not cells.empty and open_loop(cells).any() else "throughput"
 
 
 def sglang_method(cells: pd.DataFrame) -> str | None:

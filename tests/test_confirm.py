@@ -175,7 +175,7 @@ def _speed_table(interleaved: bool) -> pd.DataFrame:
     """Five passes of three servers at one batch size; pass 2 ran 30% slower throughout, pass 3's tuned cell alone."""
     servers = ("tuned", "sglang-default", "target")
     speed = {(p, s): 1.3 if p == 2 or (p, s) == (3, "tuned") else 1.0 for p in range(1, 6) for s in servers}
-    return pd.DataFrame([{"pass": p, "server": s, "batch_size": 4, "speed_index": v, "foreign_cpu_cores": 0.0,
+    return pd.DataFrame([{"pass": p, "server": s, "batch_size": 4, "request_rate": 0.0, "speed_index": v, "foreign_cpu_cores": 0.0,
                           "interleaved": interleaved} for (p, s), v in speed.items()])
 
 
@@ -198,7 +198,7 @@ def test_an_interleaved_pass_is_disturbed_only_beyond_the_hosts_own_spread():
     """On a host whose cells routinely differ by 10% back to back, a cell 27% slower than its neighbours' median is
     within that spread (3 robust SDs), not a disturbance; one 80% slower is."""
     slower = {(3, "tuned"): 1.4, (6, "tuned"): 2.0}
-    rows = [{"pass": p, "server": s, "batch_size": 4, "speed_index": wobble * slower.get((p, s), 1.0), "foreign_cpu_cores": 0.0,
+    rows = [{"pass": p, "server": s, "batch_size": 4, "request_rate": 0.0, "speed_index": wobble * slower.get((p, s), 1.0), "foreign_cpu_cores": 0.0,
              "interleaved": True} for p in range(1, 9) for s, wobble in zip(("tuned", "sglang-default", "target"), (1.0, 1.1, 0.9))]
     table = mark_disturbed(pd.DataFrame(rows), 0.5, 0.15)
     assert table.groupby("pass")["disturbed"].first().to_dict() == {p: p == 6 for p in range(1, 9)}

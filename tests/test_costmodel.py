@@ -123,6 +123,22 @@ def test_one_step_count_at_a_batch_size_is_split_as_the_nearest_line_in_g_was():
     assert fit_sweep(only_one).table.set_index("batch_size").loc[16, "draft_fixed_ms"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_a_batch_size_only_the_speculative_server_ran_is_anchored_between_target_onlys_neighbours():
+    """An open loop: on the same arrivals EAGLE ran 2 sequences at once where target-only ran 1 and 4 (it finishes
+    sooner). Its cells at 2 were dropped (no target-only there), so the tuned config never saw that batch size."""
+    cells = synthetic_cells(noise=0.0)
+    ok = cells[cells["status"] == "ok"]
+    target = ~ok["is_speculative"].astype(bool)
+    kept = ok[~(target & (ok["batch_size"] == 2))]
+    table = fit_sweep(kept).table.set_index("batch_size")
+    assert 2 in table.index
+    assert table.loc[2, "target_ms"] == pytest.approx(float(np.interp(2, [1, 4], [SYNTHETIC_COST.target_ms[0], SYNTHETIC_COST.target_ms[2]])))
+    assert table.loc[2, "per_step_ms"] == pytest.approx(SYNTHETIC_COST.per_step_ms[1], rel=0.05)
+    # nothing to read between at the ends: a batch size past target-only's measured ones is still left out
+    beyond = kept[kept["is_speculative"].astype(bool) | (kept["batch_size"] != 1)]
+    assert 1 not in fit_sweep(beyond).table["batch_size"].tolist()
+
+
 def test_rounds_growing_faster_than_a_line_in_g_are_fitted_with_a_square_term_not_a_negative_fixed_cost():
     # SYNTHETIC: at batch 16 the draft cost is 2 g + 1.25 g^2 ms (26 ms at g = 2, 46 at g = 4 over target-only's 16,
     # as EAGLE's rounds on a new user's sweep); measured at g = 2 and 4 only, as the default plan does

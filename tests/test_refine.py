@@ -131,7 +131,7 @@ def test_pooling_makes_the_difference_zero_where_alike_and_keeps_both_measuremen
 
     from spectune.confirm import pass_gains, pool_alike
 
-    rows = [{"pass": p, "batch_size": b, "role": role, "value": v}
+    rows = [{"pass": p, "batch_size": b, "request_rate": 0.0, "role": role, "value": v}
             for p in (1, 2) for b, vals in ((1, (100.0, 110.0, 90.0, 80.0)), (4, (130.0, 120.0, 100.0, 90.0)))
             for role, v in zip(("tuned", "sglang-default", "static", "target"), vals)]
     pooled = pool_alike(pd.DataFrame(rows), (1,))

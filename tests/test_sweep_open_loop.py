@@ -126,7 +126,8 @@ prompt_lookup_max = 3
 
 
 def test_a_rate_sweep_of_the_embedded_engine_reports_and_tunes(tmp_path, spectune_cmd):
-    run_sweep(tmp_path, ENGINE_PLAN)
+    swept = run_sweep(tmp_path, ENGINE_PLAN)
+    assert "Recommendation per request rate" in swept.stdout and "request rate (cap in flight)  method" in swept.stdout
     root = tmp_path / "run"
     cells = pd.read_parquet(root / "cells.parquet")
     assert len(cells) == 4 and (cells["status"] == "ok").all()
@@ -155,9 +156,19 @@ def test_a_rate_sweep_of_the_embedded_engine_reports_and_tunes(tmp_path, spectun
     for row in summary.itertuples():
         ratio = by.loc[("target", row.request_rate), "tpot_ms_mean"] / by.loc[("ngram", row.request_rate), "tpot_ms_mean"]
         assert speedups[f"{row.request_rate:g} req/s (cap 4)"] == pytest.approx((ratio,))
+    # tuned for what the answer is in: mean TPOT (tokens/s is the arrivals')
     tune = subprocess.run([*spectune_cmd, "tune", str(root), "--trials", "2"], capture_output=True, text=True, timeout=300)
     assert tune.returncode == 0, tune.stdout + tune.stderr
-    assert (root / "tuned" / "adaptive_spec.json").exists()
+    assert (root / "tuned" / "adaptive_spec.json").exists() and "open loop: tuning for latency (mean TPOT" in tune.stdout
+    assert json.loads((root / "tuned" / "tuning.json").read_text())["objective"] == "latency"
+    # confirm measures both rates each pass (their arrivals differ: it once refused them as 'different traffic') in TPOT
+    confirm = subprocess.run([*spectune_cmd, "confirm", str(root), "--max-passes", "2", "--min-passes", "2"],
+                             capture_output=True, text=True, timeout=600)
+    assert confirm.returncode == 0, confirm.stdout + confirm.stderr
+    verdict = json.loads((root / "tuned" / "tuning.json").read_text())["verdict"]
+    assert verdict["metric"] == "tpot_ms_mean" and "mean TPOT" in verdict["text"], verdict
+    passes = sorted((root / "confirm").glob("pass-*"))
+    assert passes and all(sorted(set(pd.read_parquet(p / "cells.parquet")["request_rate"])) == [2.0, 6.0] for p in passes)
 
 
 def test_tune_counts_an_open_loop_cell_at_what_its_server_decoded_not_the_arrivals_rate(tmp_path):
