@@ -266,6 +266,12 @@ def compare(results: str | Path, baseline: str | Path, rules: tuple[Rule, ...] =
     if single:
         result.notes.append(f"one repeat on a side, no noise estimate: judged on the threshold alone ({', '.join(single[:6])}"
                             + (f" and {len(single) - 6} more" if len(single) > 6 else "") + ")")
+    shared = [str(where) for where, cells in ((results, now), (baseline, base)) if not cells.empty and not cells["relaunched"].any()]
+    if shared and any(c.has_noise_estimate for c in result.checks):
+        result.notes.append(f"the repeats of {' and '.join(shared)} each ran on one launch of every server, so the intervals hold the "
+                            "noise within a launch, not how far two launches differ, which a second run always adds: a check "
+                            "just past its threshold may be a launch's luck; relaunch = true in the plan measures every repeat "
+                            "on a fresh launch and puts that noise in the intervals")
     return result
 
 
@@ -300,7 +306,8 @@ def _load(root: Path) -> pd.DataFrame:
     limit = float(run.manifest.get("plan", {}).get("max_failure_rate", 0.05))
     failure_rate = cells["failure_rate"].fillna(0.0) if "failure_rate" in cells else 0.0
     rate = cells["request_rate"].astype(float).fillna(0.0) if "request_rate" in cells else 0.0
-    return cells[(cells["status"] == "ok") & (failure_rate <= limit)].assign(rate=rate)
+    relaunched = bool(run.manifest.get("plan", {}).get("relaunch", False))
+    return cells[(cells["status"] == "ok") & (failure_rate <= limit)].assign(rate=rate, relaunched=relaunched)
 
 
 def _place(batch_size: int, rate: float) -> str:

@@ -4,6 +4,7 @@ run with a much worse draft (a real slowdown), and baselines that cannot be comp
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
@@ -19,6 +20,8 @@ REPO = Path(__file__).resolve().parent.parent
 # A draft made from the shipped target plus noise (plan key draft_noise): 0.02 drafts almost what the target
 # says, 1.0 almost never; the server and its traffic are otherwise the same. Interleaved: this host's speed drifts
 # by a quarter within a minute, and speedups pair each draft cell with the target cell measured just before it.
+# Relaunched: two launches differ by more than one launch's repeats (without it, 2 of 56 pairings of eight runs
+# failed a second run of this plan at batch 1, -13% speedup; with it, 0 of 56), so each repeat is a launch.
 PLAN = """
 name = "gate"
 workload = "code"
@@ -29,6 +32,7 @@ prompts_per_slot = 2
 min_prompts = 4
 warmup_per_slot = 1
 interleave = true
+relaunch = true
 
 [[servers]]
 name = "target"
@@ -108,6 +112,21 @@ def test_gate_passes_a_second_run_of_the_same_plan(base, again, tmp_path, spectu
     proc = _gate(spectune_cmd, again, base, "--rules", str(rules))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS: 6 checks, 0 regression(s)" in proc.stdout
+
+
+def test_gate_says_when_a_runs_repeats_shared_one_launch(base, tmp_path, spectune_cmd):
+    """Repeats on one launch hold no launch-to-launch noise, which a second run adds: the gate says so, naming the run."""
+    one_launch = tmp_path / "one-launch"
+    shutil.copytree(base, one_launch)
+    manifest = json.loads((one_launch / "run.json").read_text())
+    manifest["plan"]["relaunch"] = False
+    (one_launch / "run.json").write_text(json.dumps(manifest))
+    wide = {**os.environ, "COLUMNS": "1000"}  # a long tmp path is folded mid-word at 80 columns
+    proc = _gate(spectune_cmd, one_launch, base, env=wide)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = " ".join(proc.stdout.split())
+    assert f"the repeats of {one_launch} each ran on one launch of every server" in out and "relaunch = true" in out
+    assert "each ran on one launch" not in " ".join(_gate(spectune_cmd, base, base).stdout.split())
 
 
 def test_gate_fails_a_real_slowdown_naming_the_rule(base, slow, tmp_path, spectune_cmd):
