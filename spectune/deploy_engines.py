@@ -59,10 +59,12 @@ class MethodScore:
     best_steps: dict[int, int]  # per measured batch size, the step count picked (measured_methods; 0: target-only)
     best_static: int  # the one step count >= 1 with the highest geometric-mean speedup over batch sizes
     server: dict  # the plan's server entry: draft model, n-gram lookup bounds
+    open_loop: bool = False  # tokens/s decoded at the batch size each server ran (tune.load_results), not the arrivals'
 
     def why(self) -> str:
         sizes = ", ".join(str(b) for b in sorted(self.best_steps))
-        return (f"measured {self.speedup:.2f}x output tokens/s over target-only: the geometric mean over batch sizes {sizes} "
+        unit = "decoded tokens/s (sequences it ran at once x 1000 / TPOT; open loop)" if self.open_loop else "output tokens/s"
+        return (f"measured {self.speedup:.2f}x {unit} over target-only: the geometric mean over batch sizes {sizes} "
                 "of each size's best step count")
 
 
@@ -108,7 +110,8 @@ def measured_methods(cells: pd.DataFrame, manifest: dict, max_failure_rate: floa
         steps = {int(bs): int(at[1]) if at is not None and not model[at] <= 1.0 else 0 for bs, at in picks.items()}
         per_g = ratio.groupby(level="num_speculative_tokens").apply(lambda r: float(np.exp(np.log(r).mean())))
         scores.append(MethodScore(engine=str(engine), method=str(method), speedup=float(np.exp(np.log(best).mean())),
-                                  best_steps=steps, best_static=int(per_g.idxmax()), server=_server_entry(manifest, engine, method)))
+                                  best_steps=steps, best_static=int(per_g.idxmax()), server=_server_entry(manifest, engine, method),
+                                  open_loop="output_throughput_tps_measured" in usable))
     return sorted(scores, key=lambda s: -s.speedup)
 
 

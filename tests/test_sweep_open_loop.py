@@ -146,6 +146,9 @@ def test_a_rate_sweep_of_the_embedded_engine_reports_and_tunes(tmp_path, spectun
     assert "request_rate" in md and "| request rate (cap in flight) | use |" in md
     assert "| 2 req/s (cap 4) |" in md and "| 6 req/s (cap 4) |" in md  # one answer per rate, not one per cap
     assert "so a speedup here is target-only's mean TPOT / the server's on the same arrivals" in md
+    # the answer's caption and the figure's heading say so too (they said per batch size, in output tokens/s)
+    assert "Per request rate, of the static" in md and "Speedup: target-only's mean TPOT over the server's" in md
+    assert "## Speedup vs request rate" in md and "output tokens/s over target-only on identical traffic" not in md
     # the gate judges each rate on its own, and speedup as the report gives it
     from spectune.gate import compare
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from spectune.analysis import where_text
+from spectune.analysis import open_loop, where_text
 from spectune.confirm import naming_run
 from spectune.holdout import ANCHOR_NOTE, HOLDOUT_NAMES, HOLDOUTS, NOISE_FLOOR_MEANING, NONE_INSIDE, NOT_COMPUTED, ONE_LAUNCH_NOTE, none_inside
 from spectune.report.data import ReportData, drafted_undeclared
@@ -454,6 +454,7 @@ def context(data: ReportData, plots: list[Plot]) -> dict:
         "definitions": definitions(data),
         "notes": data.notes,
         "engine_names": {"sglang": "SGLang", "vllm": "vLLM", "llamacpp": "llama.cpp"},
+        "open_loop": not data.cells.empty and bool(open_loop(data.cells).any()),  # rows are request rates, speedup a TPOT ratio
     }
 
 
