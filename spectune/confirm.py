@@ -498,8 +498,9 @@ def _pass_rows(pass_dir: Path, number: int, metric: str, cost) -> pd.DataFrame:
     run = load_run(pass_dir)
     cells = run.cells[run.cells["status"] == "ok"]
     speed = speed_index(run, cost).reindex(cells["cell"]).to_numpy() if cost is not None else np.full(len(cells), np.nan)
+    rate = cells.get("request_rate", pd.Series(np.nan, index=cells.index)).fillna(0.0)
     return pd.DataFrame({"pass": number, "server": cells["server"], "role": cells["server"].map(_role), "batch_size": cells["batch_size"],
-                         "request_rate": cells.get("request_rate", pd.Series(np.nan, index=cells.index)).fillna(0.0), "value": cells[metric], "traffic_digest": cells["traffic_digest"],
+                         "request_rate": rate, "value": cells[metric], "traffic_digest": cells["traffic_digest"],
                          "foreign_cpu_cores": cells.get("foreign_cpu_cores", pd.Series(np.nan, index=cells.index)), "speed_index": speed,
                          "interleaved": bool(run.manifest["plan"].get("interleave", False))})
 
