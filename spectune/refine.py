@@ -87,6 +87,10 @@ def refine(tuned_dir: Path) -> tuple[AdaptiveConfig, dict]:
     except FileNotFoundError:
         raise SpectuneError(f"{path}: not found; run `spectune tune RESULTS` and `spectune confirm RESULTS` first") from None
     verdict = report.get("verdict") or {}
+    if verdict.get("source") == "measured" and verdict.get("by_batch_size") == []:
+        raise SpectuneError(f"{path}: the measured verdict compared one batch size only, so there is nothing to combine (refining "
+                            "keeps at each batch size the slots of whichever config measured best there); deploy what the "
+                            "verdict says, or sweep and confirm at two batch sizes or more")
     if verdict.get("source") != "measured" or not verdict.get("by_batch_size"):
         raise SpectuneError(f"{path}: no measured verdict by batch size to refine from; run `spectune confirm RESULTS` first "
                             "(with this spectune version)")

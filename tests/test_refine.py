@@ -107,7 +107,8 @@ def test_refine_archives_the_measured_round_and_records_what_it_kept(tmp_path):
      "nothing to refine"),
     ({"source": "measured", "finished": True, "passes": 20, "text": "t",
       "by_batch_size": [_row(1, sglang_default=-1.0, static=2.0), _row(4, sglang_default=-3.0, static=2.0)]}, "nothing to combine"),
-
+    # a confirm at one batch size (or one cap, in an open loop): it was told to run confirm, which it had
+    ({"source": "measured", "finished": True, "passes": 6, "text": "t", "by_batch_size": []}, "compared one batch size only"),
 ])
 def test_refine_refuses_without_a_settled_verdict_or_anything_to_change(tmp_path, verdict, words):
     with pytest.raises(SpectuneError, match=words):
