@@ -141,7 +141,7 @@ def test_a_batch_size_only_the_speculative_server_ran_is_anchored_between_target
 
 def test_rounds_growing_faster_than_a_line_in_g_are_fitted_with_a_square_term_not_a_negative_fixed_cost():
     # SYNTHETIC: at batch 16 the draft cost is 2 g + 1.25 g^2 ms (26 ms at g = 2, 46 at g = 4 over target-only's 16,
-    # as EAGLE's rounds on a new user's sweep); measured at g = 2 and 4 only, as the default plan does
+    # as EAGLE's rounds on a new user's sweep); measured at g = 2 and 4 only, as the default plan once did
     convex = RoundCost(batch_sizes=(1, 4, 16, 32), target_ms=(3.4, 6.3, 16.0, 33.0), draft_fixed_ms=(0.2, 0.7, 0.0, 0.0),
                        per_step_ms=(1.2, 1.8, 2.0, 4.0), per_step_sq_ms=(0.0, 0.0, 1.25, 2.0))
     cells = synthetic_cells(cost=convex, profiles={"quote": SYNTHETIC_PROFILES["quote"]}, steps=(2, 4), noise=0.0)

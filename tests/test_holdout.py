@@ -310,7 +310,7 @@ def test_a_slow_target_only_cell_is_smoothed_away_from_the_anchor(monkeypatch):
 
 def test_with_two_step_counts_the_lines_say_every_held_out_step_count_was_extrapolated():
     """Two step counts leave one: each held-out g is its method's smallest or largest, so no "_inside" row exists and a
-    line says why (the default plan measures g = 2 and 4, and its leave-one-g-out error is all extrapolation)."""
+    line says why (a plan of g = 2 and 4, as the default once was: its leave-one-g-out error is all extrapolation)."""
     cells = synthetic_cells(steps=(2, 4), profiles={"quote": SYNTHETIC_PROFILES["quote"]}, repeats=2, noise=0.05, seed=2)
     report = holdout_report(cells)
     assert "step_count" in {r["holdout"] for r in report["summary"]}

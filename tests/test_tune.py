@@ -98,7 +98,7 @@ def test_a_tuned_config_running_step_counts_the_sweep_never_measured_says_so():
     cells = synthetic_cells()
     inside = AdaptiveConfig.from_dict({"1": {"candidate_steps": [2, 4]}, "8": {"candidate_steps": [0, 2]}})
     swept = cells[cells["num_speculative_tokens"].isin([0, 2, 4])]
-    fit = fit_sweep(swept)  # a sweep of g = 2 and 4, as the default plan
+    fit = fit_sweep(swept)  # a sweep of g = 2 and 4 only
     assert unmeasured_steps(fit, inside, swept) is None  # 0 (no drafting) needs no speculative cell
     note = unmeasured_steps(fit, AdaptiveConfig.from_dict({"1": {"candidate_steps": [1, 4]}, "8": {"candidate_steps": [3]}}), swept)
     assert note is not None and "runs draft_model at g = 1, 3, which the sweep never measured (it measured g = 2, 4)" in note
