@@ -114,6 +114,9 @@ def run_worker(plan, url: str, *, scratch: Path | None = None, heartbeat_s: floa
     from spectune.sweep import new_manifest, plan_cells
 
     study = join_study(url, plan, heartbeat_s, log)
+    if plan.interleave:
+        log("interleave = true is for one machine: a worker keeps one server up at a time and measures the cells it "
+            "claims in the study's order, so a slow stretch of its host falls on the cells it measured meanwhile")
     cells = {c.id: c for c in plan_cells(plan)}
     root = Path(scratch or tempfile.mkdtemp(prefix="spectune-worker-"))
     store = RunStore.open(root) if (root / "run.json").exists() else RunStore.create(root, new_manifest(plan, root.name))

@@ -224,7 +224,7 @@ def test_a_worker_measures_the_plan_as_its_command_line_overrides_it(tmp_path, s
     # --batch-sizes and --max-tokens change a plan for a worker as for a sweep (they were dropped: the worker measured
     # the plan file's batch sizes); workers given the same overrides share one study
     plan_file = tmp_path / "shared.toml"
-    plan_file.write_text(PLAN)
+    plan_file.write_text(PLAN.replace('workload = "code"', 'workload = "code"\ninterleave = true'))  # as the default plan
     url = f"sqlite:///{tmp_path / 's.db'}"
     cmd = [*spectune_cmd, "sweep", str(plan_file), "--batch-sizes", "2", "--max-tokens", "4", "--storage", url, "--worker"]
     done = subprocess.run([*cmd, "--out", str(tmp_path / "w")], capture_output=True, text=True, timeout=240)
@@ -233,6 +233,7 @@ def test_a_worker_measures_the_plan_as_its_command_line_overrides_it(tmp_path, s
     assert f"study {study_name(overridden)}: 2 cells enqueued" in done.stdout
     assert f"their server logs are in {tmp_path / 'w' / 'logs'}" in done.stdout and (tmp_path / "w" / "logs" / "target.log").exists()
     assert f"next: spectune collect {url} --out DIR" in done.stdout
+    assert "interleave = true is for one machine: a worker keeps one server up at a time" in done.stdout
     out = tmp_path / "collected"
     collected = subprocess.run([*spectune_cmd, "collect", url, "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert collected.returncode == 0, collected.stderr
