@@ -109,7 +109,7 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> TuneOutcom
 def default_objective(cells: pd.DataFrame) -> str:
     """What to tune for when none is named: tokens/s of closed loops; in an open loop the arrivals set tokens/s, and
     the answer is target-only's TPOT over the server's (spectune.analysis.open_loop), so mean TPOT there."""
-    return "latency" if not cells.empty and open_loop(cells).any() else "throughput"
+    return "latency" if open_loop(cells).any() else "throughput"
 
 
 def sglang_method(cells: pd.DataFrame) -> str | None:
